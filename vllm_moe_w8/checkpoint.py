@@ -1,0 +1,442 @@
+"""Read and validate safetensors checkpoints (index + shards) without loading them.
+
+Headers first: a safetensors file starts with an 8-byte little-endian header length and a JSON header
+giving every tensor's dtype, shape and byte range. Parsing only that is fast even for ~64k tensors in
+40+ shards, and it is what lets us detect a truncated shard (a data range past the file's end) before
+any tensor is read. Tensors are read one at a time, only when asked, with safetensors' ``safe_open``.
+
+The checkpoint's index (``model.safetensors.index.json``, ``weight_map``) is authoritative: we iterate
+it and never assume shard numbers. A folder with no index but ``*.safetensors`` files is read too.
+
+Imports neither vLLM nor torch at import time (torch only inside :meth:`Checkpoint.load`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+# Bytes per element of every safetensors dtype we may meet.
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+FP8_DTYPES = ("F8_E4M3",)
+SCALE_DTYPES = ("F32", "BF16", "F16")
+
+# Routed experts, per expert: `<prefix>.mlp.experts.{e}.{gate,up,down}_proj.<suffix>`.
+EXPERT_RE = re.compile(
+    r"^(?P<prefix>.*?)(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\."
+    r"(?P<suffix>weight|weight_scale_inv|weight_scale|input_scale|weight_scale_2)$"
+)
+LAYER_RE = re.compile(r"\.(\d+)\.")
+
+# Architectures the plugin serves, with the prefix their routed-expert tensors carry
+# (CHECKPOINTS.md, "Names"). MTP copies (`mtp.layers.0.` / `model.layers.{num_hidden_layers}.`) are extra.
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": ("model.layers.",),
+    "Qwen3_5MoeForCausalLM": ("model.layers.", "mtp.layers."),
+    "Qwen3_5MoeForConditionalGeneration": ("model.language_model.layers.", "mtp.layers."),
+    "Glm4MoeForCausalLM": ("model.layers.",),
+    "GlmMoeDsaForCausalLM": ("model.layers.",),
+    "Glm5NextForCausalLM": ("model.layers.",),
+    "Glm5NextForConditionalGeneration": ("model.language_model.layers.", "model.layers."),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint problem; the message names the file and/or tensor and the remedy."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as its shard's header describes it (nothing loaded)."""
+
+    name: str
+    dtype: str  # safetensors spelling: F8_E4M3, BF16, F32, ...
+    shape: tuple[int, ...]
+    file: str  # shard file name, relative to the checkpoint folder
+    begin: int  # byte range inside the shard's data section
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 1)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+
+@dataclass(frozen=True)
+class ExpertName:
+    """The parts of a routed-expert tensor name."""
+
+    name: str
+    prefix: str  # everything before the layer index, e.g. "model.language_model.layers."
+    layer: int
+    expert: int
+    proj: str  # gate_proj | up_proj | down_proj
+    suffix: str  # weight | weight_scale_inv | weight_scale | input_scale
+
+    @property
+    def stem(self) -> str:
+        """The name without its suffix: `...experts.{e}.{proj}`."""
+        return self.name[: -len(self.suffix) - 1]
+
+    @property
+    def layer_key(self) -> str:
+        """`<prefix><layer>`, e.g. `model.layers.3` (MTP layers keep their own prefix)."""
+        return f"{self.prefix}{self.layer}"
+
+
+def parse_expert_name(name: str) -> ExpertName | None:
+    m = EXPERT_RE.match(name)
+    if not m:
+        return None
+    return ExpertName(name, m["prefix"], int(m["layer"]), int(m["expert"]), m["proj"], m["suffix"])
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """(header dict, data-section offset) of one safetensors file; raises CheckpointError if unreadable."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: file is {size} bytes, too short for a safetensors header (truncated download?)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 2**20 or 8 + n > size:
+                raise CheckpointError(
+                    f"{path}: header length {n} does not fit the file ({size} bytes): not a safetensors file, or truncated"
+                )
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON ({e}); the file is corrupt") from e
+    return header, 8 + n
+
+
+def text_config(config: dict) -> dict:
+    """The language model's config: ``text_config`` of multimodal wrappers, else the config itself."""
+    tc = config.get("text_config")
+    if isinstance(tc, dict) and tc.get("hidden_size"):
+        merged = dict(tc)
+        # Wrappers keep quantization_config / architectures at the top level.
+        for key in ("quantization_config", "architectures"):
+            if key in config and key not in merged:
+                merged[key] = config[key]
+        return merged
+    return config
+
+
+def quantization_config(config: dict) -> dict | None:
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), dict):
+        qc = config["text_config"].get("quantization_config")
+    return qc
+
+
+@dataclass
+class QuantFormat:
+    """What a checkpoint's quantization_config says about its FP8 weights."""
+
+    kind: str  # "block" | "per-channel" | "neuron-w8" | "none" | "unknown"
+    method: str | None
+    block: tuple[int, int] | None  # scale tile of expert weights; (1, 0) per-channel
+    scale_suffix: str | None  # weight_scale_inv | weight_scale
+    skip: list[str] = field(default_factory=list)
+    mode: str | None = None  # neuron-w8 only
+    code_format: str | None = None  # neuron-w8 only
+
+    def describe(self) -> str:
+        if self.kind == "block":
+            return f"block FP8 {self.block[0]}x{self.block[1]} ({self.method}, scales '{self.scale_suffix}')"
+        if self.kind == "per-channel":
+            return f"per-channel FP8 ({self.method}, scales '{self.scale_suffix}' [out, 1])"
+        if self.kind == "neuron-w8":
+            return f"neuron-w8 pre-converted (mode {self.mode}, codes {self.code_format}, tile {list(self.block)})"
+        return {"none": "not quantised", "unknown": f"unknown quantization ({self.method})"}[self.kind]
+
+
+def quant_format(config: dict) -> QuantFormat:
+    qc = quantization_config(config)
+    if not qc:
+        return QuantFormat("none", None, None, None)
+    method = str(qc.get("quant_method", "")).lower()
+    skip = list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or qc.get("ignore") or [])
+    if method == "neuron-w8":
+        block = tuple(qc.get("weight_block_size") or (128, 128))
+        return QuantFormat("neuron-w8", method, (int(block[0]), int(block[1])), "weight_scale_inv", skip,
+                           qc.get("mode"), qc.get("code_format"))
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block:
+            return QuantFormat("block", method, (int(block[0]), int(block[1])), "weight_scale_inv", skip)
+        return QuantFormat("unknown", "fp8 (per-tensor, no weight_block_size)", None, None, skip)
+    if method == "compressed-tensors":
+        for group in (qc.get("config_groups") or {}).values():
+            w = (group or {}).get("weights") or {}
+            if w.get("strategy") == "channel" and str(w.get("type")) == "float" and int(w.get("num_bits", 8)) == 8:
+                return QuantFormat("per-channel", method, (1, 0), "weight_scale", skip)
+            if w.get("strategy") == "block" and w.get("block_structure"):
+                b = w["block_structure"]
+                return QuantFormat("block", method, (int(b[0]), int(b[1])), "weight_scale", skip)
+        return QuantFormat("unknown", "compressed-tensors (not FP8 channel/block)", None, None, skip)
+    return QuantFormat("unknown", method, None, None, skip)
+
+
+def grid_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """Scale grid of a [N, K] weight for tiles ``block`` (bk == 0: one column); mirrors fp8.grid_shape."""
+    n, k = shape
+    bn, bk = block
+    return (math.ceil(n / bn), 1 if bk == 0 else math.ceil(k / bk))
+
+
+class Checkpoint:
+    """A checkpoint folder: config.json, the index (or single file) and every shard's header."""
+
+    def __init__(self, path: str | os.PathLike, check_files: bool = True):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a folder; pass the checkpoint directory (with config.json and *.safetensors)")
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{cfg_path}: missing; a Hugging Face checkpoint needs its config.json")
+        try:
+            self.config: dict = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+        self.index_path: Path | None = None
+        self.weight_map: dict[str, str] = self._read_weight_map()
+        self.tensors: dict[str, TensorInfo] = {}
+        self.file_sizes: dict[str, int] = {}
+        self.headers_bytes: dict[str, int] = {}
+        self.problems: list[str] = []  # file-level problems (missing / truncated shards), filled by _scan_headers
+        self._scan_headers(check_files)
+
+    # -- reading -------------------------------------------------------------------------------
+    def _read_weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX_NAME
+        if index.is_file():
+            self.index_path = index
+            try:
+                data = json.loads(index.read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{index}: not valid JSON ({e})") from e
+            wm = data.get("weight_map")
+            if not isinstance(wm, dict) or not wm:
+                raise CheckpointError(f"{index}: has no 'weight_map'; re-download the index file")
+            return {str(k): str(v) for k, v in wm.items()}
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no {INDEX_NAME} and no *.safetensors files")
+        wm: dict[str, str] = {}
+        for name in files:
+            header, _ = read_header(self.path / name)
+            for t in header:
+                if t != "__metadata__":
+                    wm[t] = name
+        return wm
+
+    @property
+    def shard_files(self) -> list[str]:
+        """Shard file names in the order the index first mentions them."""
+        return list(dict.fromkeys(self.weight_map.values()))
+
+    def _scan_headers(self, check_files: bool) -> None:
+        for fname in self.shard_files:
+            fpath = self.path / fname
+            if not fpath.is_file():
+                self.problems.append(f"{fpath}: shard listed in {INDEX_NAME} is missing ({self._count(fname)} tensors); re-download it")
+                continue
+            try:
+                header, data_start = read_header(fpath)
+            except CheckpointError as e:
+                self.problems.append(str(e))
+                continue
+            size = fpath.stat().st_size
+            self.file_sizes[fname] = size
+            self.headers_bytes[fname] = data_start
+            data_end = data_start
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = meta["data_offsets"]
+                info = TensorInfo(name, meta["dtype"], tuple(int(s) for s in meta["shape"]), fname, int(begin), int(end))
+                data_end = max(data_end, data_start + int(end))
+                if self.weight_map.get(name) == fname:
+                    self.tensors[name] = info
+            if check_files and data_end > size:
+                self.problems.append(
+                    f"{fpath}: truncated: its header needs {data_end} bytes of data, the file has {size} "
+                    f"({data_end - size} missing); re-download this shard"
+                )
+        for name, fname in self.weight_map.items():
+            if name not in self.tensors and fname in self.file_sizes:
+                self.problems.append(f"{self.path / fname}: tensor '{name}' is listed in the index for this file but is not in it")
+
+    def _count(self, fname: str) -> int:
+        return sum(1 for f in self.weight_map.values() if f == fname)
+
+    def raise_on_file_problems(self) -> None:
+        if self.problems:
+            raise CheckpointError("; ".join(self.problems[:5]) + (f" (and {len(self.problems) - 5} more)" if len(self.problems) > 5 else ""))
+
+    # -- views ---------------------------------------------------------------------------------
+    @property
+    def text_config(self) -> dict:
+        return text_config(self.config)
+
+    @property
+    def architecture(self) -> str | None:
+        archs = self.config.get("architectures") or []
+        return archs[0] if archs else None
+
+    @property
+    def quant(self) -> QuantFormat:
+        return quant_format(self.config)
+
+    def tensors_in(self, fname: str) -> list[TensorInfo]:
+        return [t for t in self.tensors.values() if t.file == fname]
+
+    def experts(self) -> Iterator[tuple[ExpertName, TensorInfo]]:
+        for name, info in self.tensors.items():
+            en = parse_expert_name(name)
+            if en is not None:
+                yield en, info
+
+    def scale_for(self, en: ExpertName) -> TensorInfo | None:
+        """The dequantisation scale of an expert weight (weight_scale_inv or weight_scale)."""
+        for suffix in ("weight_scale_inv", "weight_scale"):
+            t = self.tensors.get(f"{en.stem}.{suffix}")
+            if t is not None:
+                return t
+        return None
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Identifies the checkpoint's content cheaply (shard names, sizes, header hashes, config)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        h.update(json.dumps(self.config, sort_keys=True).encode())
+        for fname in self.shard_files:
+            h.update(fname.encode())
+            h.update(str(self.file_sizes.get(fname, -1)).encode())
+            fpath = self.path / fname
+            if fpath.is_file():
+                with open(fpath, "rb") as f:
+                    h.update(f.read(self.headers_bytes.get(fname, 8)))
+        return {"sha256": h.hexdigest(), "shards": len(self.shard_files), "tensors": len(self.tensors)}
+
+    # -- loading -------------------------------------------------------------------------------
+    def load(self, name: str):
+        """One tensor as a torch tensor (read from its shard only)."""
+        from safetensors import safe_open
+
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.path}: no tensor named '{name}' in the checkpoint")
+        with safe_open(str(self.path / info.file), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def load_many(self, names: Iterable[str]) -> dict[str, Any]:
+        """Several tensors, opening each shard once."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            info = self.tensors.get(n)
+            if info is None:
+                raise CheckpointError(f"{self.path}: no tensor named '{n}' in the checkpoint")
+            by_file.setdefault(info.file, []).append(n)
+        out = {}
+        for fname, ns in by_file.items():
+            with safe_open(str(self.path / fname), framework="pt") as f:
+                for n in ns:
+                    out[n] = f.get_tensor(n)
+        return out
+
+
+def validate_experts(ckpt: Checkpoint) -> list[str]:
+    """Problems with the routed-expert tensors, each naming the file and tensor."""
+    problems: list[str] = []
+    q = ckpt.quant
+    arch = ckpt.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        problems.append(
+            f"{ckpt.path / 'config.json'}: architecture {arch!r} is not supported; supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    prefixes = SUPPORTED_ARCHITECTURES.get(arch, ())
+    n_experts = 0
+    for en, info in ckpt.experts():
+        if en.suffix != "weight":
+            continue
+        n_experts += 1
+        where = f"{ckpt.path / info.file}: tensor '{en.name}'"
+        if prefixes and not en.prefix.startswith(prefixes):
+            problems.append(f"{where}: name does not match {arch}'s layout (expected a prefix among {list(prefixes)})")
+        if len(info.shape) != 2:
+            problems.append(f"{where}: expert weight must be 2-D [out, in], has shape {list(info.shape)}")
+            continue
+        expected_dtype = "U8" if q.kind == "neuron-w8" else "F8_E4M3"
+        if q.kind in ("block", "per-channel", "neuron-w8") and info.dtype != expected_dtype:
+            if _skipped(en.name, q.skip) or info.dtype in ("BF16", "F16", "F32"):
+                continue  # unquantised expert (listed as skipped): nothing to check
+            problems.append(f"{where}: dtype {info.dtype}, expected {expected_dtype} for a {q.kind} checkpoint")
+            continue
+        if not info.is_fp8 and info.dtype != "U8":
+            continue
+        scale = ckpt.scale_for(en)
+        if scale is None:
+            problems.append(
+                f"{where}: FP8 weight without its scale ('{en.stem}.{q.scale_suffix or 'weight_scale_inv'}' is not in the checkpoint); "
+                "re-download the shard holding it or fix the index"
+            )
+            continue
+        swhere = f"{ckpt.path / scale.file}: tensor '{scale.name}'"
+        if scale.dtype not in SCALE_DTYPES:
+            problems.append(f"{swhere}: scale dtype {scale.dtype}; expected F32, BF16 or F16")
+        if q.block is None:
+            continue
+        expected = grid_shape(info.shape, q.block)
+        got = tuple(scale.shape)
+        ok = got == expected or (q.block[1] == 0 and got == (expected[0],))
+        if not ok:
+            tile = "per-channel [out, 1]" if q.block == (1, 0) else f"{q.block[0]}x{q.block[1]} tiles"
+            problems.append(
+                f"{swhere}: scale grid {list(got)} does not fit weight {list(info.shape)} with {tile}: expected {list(expected)} "
+                "(check quantization_config.weight_block_size)"
+            )
+    if q.kind in ("block", "per-channel", "neuron-w8") and n_experts == 0:
+        problems.append(f"{ckpt.path}: no routed-expert tensors ('...mlp.experts.{{e}}.{{gate,up,down}}_proj.weight') found")
+    return problems
+
+
+def _skipped(name: str, skip: list[str]) -> bool:
+    return any(s and (s in name) for s in skip)
+
+
+def layer_of(name: str) -> int | None:
+    m = LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
