@@ -1,0 +1,175 @@
+"""The CPU MoE op (vllm_moe_w8.cpu_moe) against the float64 reference MoE over exactly dequantised weights.
+
+Every implementation (the portable torch path and, where it builds, the native kernel) must give the
+reference's numbers up to float32 rounding, for every scale layout the op accepts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_moe_w8 import cpu_moe, fp8
+from vllm_moe_w8.moe_reference import reference_moe
+
+# float32 compute (products of exactly dequantised weights, sums of <= a few thousand terms, two
+# matmuls deep) vs a float64 reference: a few hundred float32 ulps of the output's magnitude.
+FP32_REL_TOL = 2e-5
+# bf16/fp16 outputs additionally carry one rounding of each element to the output dtype.
+HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+IMPLEMENTATIONS = ["torch"] + (["native"] if cpu_moe.native_available() else [])
+
+
+def _run(impl, *args, **kwargs):
+    fn = cpu_moe.fused_moe_torch if impl == "torch" else cpu_moe.fused_moe_native
+    return fn(*args, **kwargs)
+
+
+def random_codes(shape, code_format, gen):
+    """Random FP8 bytes that are finite in ``code_format`` (e4m3: magnitude < 0x78; e4m3fn: not 0x7F)."""
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    mag = codes & 0x7F
+    if code_format == "e4m3":
+        codes = torch.where(mag >= 0x78, codes - 0x40, codes)
+    else:
+        codes = torch.where(mag == 0x7F, codes - 1, codes)
+    return codes
+
+
+def make_experts(e, h, inter, block, code_format, seed=0):
+    """Op storage for E experts with random codes and random positive scales on the block grid."""
+    gen = torch.Generator().manual_seed(seed)
+    bn, bk = block
+    g = lambda n, k: (math.ceil(n / bn), 1 if bk == 0 else math.ceil(k / bk))  # noqa: E731
+    w13 = random_codes((e, 2 * inter, h), code_format, gen)
+    w2 = random_codes((e, h, inter), code_format, gen)
+    gi, gh = g(inter, h)
+    w13_s = torch.rand((e, 2 * gi, gh), generator=gen) * 0.02 + 1e-3
+    gh2, gi2 = g(h, inter)
+    w2_s = torch.rand((e, gh2, gi2), generator=gen) * 0.02 + 1e-3
+    return w13, w13_s, w2, w2_s
+
+
+def make_routing(t, k, e, gen, *, duplicates=False, unrouted=()):
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    if duplicates and t > 1 and k > 1:
+        ids[1, 1] = ids[1, 0]  # the same expert twice for one token
+    for row in unrouted:
+        if row < t:
+            ids[row] = -1  # expert(s) not on this rank
+    if t > 2:
+        ids[2, 0] = -1
+    weights = torch.rand((t, k), generator=gen)
+    return ids, weights
+
+
+def assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, bn, bk, fmt, limit=0.0):
+    ref = reference_moe(x, wts, ids, w13, w13_s, w2, w2_s, bn, bk, fmt, swiglu_limit=limit, dtype=torch.float64)
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    scale = float(ref.abs().max()) or 1.0
+    err = (out.double() - ref).abs()
+    bound = FP32_REL_TOL * scale + HALF_ULP.get(x.dtype, 0.0) * ref.abs()
+    worst = float((err - bound).max())
+    assert worst <= 0, f"max error {float(err.max()):.3g} exceeds tolerance (scale {scale:.3g})"
+
+
+MODES = [
+    # (code_format, block): block FP8 (pow2 repack), per-channel, output-block, OCP bytes (lut)
+    ("e4m3", (128, 128)),
+    ("e4m3", (1, 0)),
+    ("e4m3", (128, 0)),
+    ("e4m3fn", (128, 128)),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("fmt,block", MODES)
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_matches_reference_modes(impl, fmt, block, t):
+    e, h, inter, k = 8, 256, 192, 4  # I = 192: the last 128-row block is ragged
+    w13, w13_s, w2, w2_s = make_experts(e, h, inter, block, fmt, seed=t)
+    gen = torch.Generator().manual_seed(100 + t)
+    ids, wts = make_routing(t, k, e, gen, duplicates=True, unrouted=(3,))
+    x = torch.randn((t, h), generator=gen).to(torch.bfloat16)
+    out = _run(impl, x, wts, ids, w13, w13_s, w2, w2_s, *block, fmt)
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, *block, fmt)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_refined_grid_ragged_and_dtypes(impl, dtype):
+    """Tensor-parallel refined grid: I = 192 per rank with 64-row/column tiles; every input dtype."""
+    e, h, inter, k, t = 6, 320, 192, 3, 9
+    block = (64, 64)
+    w13, w13_s, w2, w2_s = make_experts(e, h, inter, block, "e4m3", seed=7)
+    gen = torch.Generator().manual_seed(8)
+    ids, wts = make_routing(t, k, e, gen, duplicates=True, unrouted=(0,))
+    x = torch.randn((t, h), generator=gen).to(dtype)
+    out = _run(impl, x, wts, ids, w13, w13_s, w2, w2_s, *block, "e4m3")
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, *block, "e4m3")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_repacked_checkpoint_and_swiglu_limit(impl):
+    """Experts repacked from OCP bytes by fp8.repack (pow2), with a SwiGLU clamp that bites."""
+    e, h, inter, k, t = 4, 256, 128, 2, 16
+    gen = torch.Generator().manual_seed(3)
+    w13_r, w2_r = [], []
+    for _ in range(e):
+        gate_up = (torch.randn((2 * inter, h), generator=gen) * 300).clamp(-448, 448).to(torch.float8_e4m3fn)
+        down = (torch.randn((h, inter), generator=gen) * 300).clamp(-448, 448).to(torch.float8_e4m3fn)
+        s13 = torch.rand((2 * inter // 128, h // 128), generator=gen) * 1e-2 + 1e-4
+        s2 = torch.rand((h // 128, inter // 128), generator=gen) * 1e-2 + 1e-4
+        w13_r.append(fp8.repack(gate_up, s13))
+        w2_r.append(fp8.repack(down, s2))
+    assert sum(r.stats.blocks_shifted for r in w13_r) > 0  # the repack really moved blocks to e4m3's range
+    w13 = torch.stack([r.codes for r in w13_r])
+    w13_s = torch.stack([r.scales for r in w13_r])
+    w2 = torch.stack([r.codes for r in w2_r])
+    w2_s = torch.stack([r.scales for r in w2_r])
+    ids, wts = make_routing(t, k, e, gen, duplicates=True)
+    x = torch.randn((t, h), generator=gen).to(torch.bfloat16) * 4
+    ref_free = reference_moe(x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3", dtype=torch.float64)
+    out = _run(impl, x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3", swiglu_limit=0.5)
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", limit=0.5)
+    assert not torch.allclose(out.double(), ref_free, rtol=1e-2)  # the clamp changed the result
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_no_routes_gives_zeros(impl):
+    e, h, inter = 3, 128, 64
+    w13, w13_s, w2, w2_s = make_experts(e, h, inter, (64, 64), "e4m3")
+    x = torch.randn(5, h).to(torch.bfloat16)
+    ids = torch.full((5, 2), -1, dtype=torch.int64)
+    out = _run(impl, x, torch.ones(5, 2), ids, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
+    assert out.dtype == torch.bfloat16 and torch.equal(out, torch.zeros_like(out))
+    empty = _run(impl, x[:0], torch.ones(0, 2), ids[:0], w13, w13_s, w2, w2_s, 64, 64, "e4m3")
+    assert empty.shape == (0, h)
+
+
+def test_dispatch_matches_torch_path():
+    """fused_moe_cpu (whatever implementation it picks) gives the torch path's numbers."""
+    e, h, inter, k, t = 8, 256, 192, 4, 7
+    w13, w13_s, w2, w2_s = make_experts(e, h, inter, (128, 128), "e4m3", seed=11)
+    gen = torch.Generator().manual_seed(12)
+    ids, wts = make_routing(t, k, e, gen)
+    x = torch.randn((t, h), generator=gen).to(torch.bfloat16)
+    out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+
+
+def test_bad_arguments_are_named():
+    w13, w13_s, w2, w2_s = make_experts(2, 128, 64, (64, 64), "e4m3")
+    x = torch.randn(2, 128)
+    ids = torch.zeros(2, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="w13_scales"):
+        cpu_moe.fused_moe_cpu(x, torch.ones(2, 1), ids, w13, w13_s[:, :1], w2, w2_s, 64, 64, "e4m3")
+    with pytest.raises(ValueError, match="code_format"):
+        cpu_moe.fused_moe_cpu(x, torch.ones(2, 1), ids, w13, w13_s, w2, w2_s, 64, 64, "e5m2")
+    with pytest.raises(ValueError, match="local experts"):
+        cpu_moe.fused_moe_cpu(x, torch.ones(2, 1), ids + 5, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
+    with pytest.raises(ValueError, match="uint8"):
+        cpu_moe.fused_moe_cpu(x, torch.ones(2, 1), ids, w13.float(), w13_s, w2, w2_s, 64, 64, "e4m3")

@@ -1,0 +1,175 @@
+"""The exact CPU implementation of the MoE op (``torch.ops.moe_w8.fused_moe``'s CPU body).
+
+``fused_moe_cpu`` computes ``out[t] = sum_j w[t, j] * W2_e (silu(W1_e x_t) * W3_e x_t)`` over the
+experts ``e = topk_ids[t, j] >= 0`` with every ``W`` the exactly dequantised weight (FP8 code x its
+tile's float32 scale, rounded once to float32 -- the same numbers as :func:`vllm_moe_w8.fp8.dequantize`),
+in float32, returned in ``x``'s dtype. See DEVELOPING.md, "The MoE op", for the storage layout.
+
+Two implementations, same numbers (both touch only the routed experts and group tokens by expert):
+
+* ``native`` (:mod:`vllm_moe_w8.cpu_moe_native`, a small C++ kernel built at first use): decodes the
+  1-byte codes of a few rows at a time into a cache-resident float32 panel (FP8 -> float16 bits with
+  one shift/and/add, float16 -> float32 with F16C, times the tile scale) and multiplies it at once
+  with every token routed to that expert; never materialises an expert. AVX2 + FMA + F16C, OpenMP
+  threads = ``torch.get_num_threads()``.
+* ``torch`` (the portable fallback): dequantises each routed expert once per call and uses torch
+  matmuls. Used where the native kernel cannot be built or does not cover the shapes.
+
+The implementation that ran is logged once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from vllm_moe_w8 import fp8
+
+logger = logging.getLogger("vllm.vllm_moe_w8.cpu_moe")
+
+CODE_FORMATS = ("e4m3", "e4m3fn")
+ACTIVATIONS = ("silu",)
+_LOGGED: set[str] = set()
+
+
+def _log_once(key: str, msg: str, *args, level=logging.INFO) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.log(level, msg, *args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks (clear errors naming the tensor and the remedy)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation):
+    """Validate shapes/dtypes of the op's arguments; returns (T, H, I, E)."""
+    if code_format not in CODE_FORMATS:
+        raise ValueError(f"code_format={code_format!r} is not supported; expected one of {CODE_FORMATS}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported by the neuron-w8 MoE op; expected one of {ACTIVATIONS}")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be [T, H] bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        raise ValueError(f"w13/w2 must hold uint8 FP8 codes, got {w13.dtype}/{w2.dtype}; repack the experts with vllm_moe_w8.fp8.repack")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    t, h = x.shape
+    e, two_i, h13 = w13.shape
+    if two_i % 2 or h13 != h or tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(
+            f"inconsistent expert shapes: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (expected [E, 2I, {h}]), "
+            f"w2 {tuple(w2.shape)} (expected [E, {h}, I])"
+        )
+    inter = two_i // 2
+    if block_n < 1 or block_k < 0:
+        raise ValueError(f"block_n must be >= 1 and block_k >= 0 (0: whole row), got ({block_n}, {block_k})")
+    g_i = math.ceil(inter / block_n)
+    g_h = 1 if block_k == 0 else math.ceil(h / block_k)
+    g_h2 = math.ceil(h / block_n)
+    g_i2 = 1 if block_k == 0 else math.ceil(inter / block_k)
+    if tuple(w13_scales.shape) != (e, 2 * g_i, g_h):
+        raise ValueError(f"w13_scales has shape {tuple(w13_scales.shape)}; expected {(e, 2 * g_i, g_h)} for I={inter}, H={h}, block=({block_n}, {block_k})")
+    if tuple(w2_scales.shape) != (e, g_h2, g_i2):
+        raise ValueError(f"w2_scales has shape {tuple(w2_scales.shape)}; expected {(e, g_h2, g_i2)} for H={h}, I={inter}, block=({block_n}, {block_k})")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={t}, k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_ids.numel() and int(topk_ids.max()) >= e:
+        raise ValueError(f"topk_ids holds expert id {int(topk_ids.max())} but only {e} local experts exist (ids must be local; -1 = not on this rank)")
+    return t, h, inter, e
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing: group (token, slot) pairs by expert
+# ----------------------------------------------------------------------------------------------
+
+
+def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """Routed pairs sorted by expert: (experts [n_e], counts [n_e], tokens [P], weights [P] fp32).
+
+    Pairs with id < 0 are dropped; duplicate routes stay separate pairs. Stable: within an expert
+    the pairs keep token order.
+    """
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long()
+    keep = (ids >= 0).nonzero().squeeze(1)
+    ids = ids[keep]
+    order = torch.argsort(ids, stable=True)
+    pair = keep[order]
+    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    tokens = pair // k
+    weights = topk_weights.reshape(-1).float()[pair]
+    return experts, counts, tokens, weights
+
+
+# ----------------------------------------------------------------------------------------------
+# The portable torch implementation
+# ----------------------------------------------------------------------------------------------
+
+
+def decode_codes(codes: torch.Tensor, code_format: str) -> torch.Tensor:
+    """uint8 FP8 codes -> float32 values (torch's float8_e4m3fn cast; e4m3's inf/NaN codes fixed up)."""
+    values = codes.view(torch.float8_e4m3fn).float()
+    if code_format == "e4m3":
+        mag = codes & 0x7F
+        special = mag >= fp8.FN_ONLY_MIN_MAG
+        if bool(special.any()):  # exponent 1111: inf (mantissa 0) or NaN in Trn2's e4m3
+            values = torch.where(special, fp8.decode(codes, "e4m3"), values)
+    return values
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int, code_format: str) -> torch.Tensor:
+    """[N, K] codes with their scale grid -> the exactly dequantised float32 [N, K] weight."""
+    return decode_codes(codes, code_format) * fp8.expand_scales(scales, tuple(codes.shape), (block_n, block_k))
+
+
+def _activate(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+    if swiglu_limit > 0:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(-swiglu_limit, swiglu_limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def fused_moe_torch(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
+                    activation="silu", swiglu_limit=0.0) -> torch.Tensor:
+    """Pure-torch exact implementation: each routed expert dequantised once per call, fp32 matmuls."""
+    t, h, inter, _ = check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
+    g_i = math.ceil(inter / block_n)
+    out = torch.zeros(t, h, dtype=torch.float32)
+    experts, counts, tokens, weights = group_by_expert(topk_ids, topk_weights)
+    xf = x.float()
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        tok = tokens[start:start + n]
+        wt = weights[start:start + n]
+        start += n
+        gate = dequantize_rows(w13[e, :inter], w13_scales[e, :g_i], block_n, block_k, code_format)
+        up = dequantize_rows(w13[e, inter:], w13_scales[e, g_i:], block_n, block_k, code_format)
+        down = dequantize_rows(w2[e], w2_scales[e], block_n, block_k, code_format)
+        xe = xf.index_select(0, tok)
+        act = _activate(xe @ gate.T, xe @ up.T, swiglu_limit)
+        out.index_add_(0, tok, (act @ down.T) * wt[:, None])
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_moe_cpu(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
+                  activation="silu", swiglu_limit=0.0) -> torch.Tensor:
+    """The MoE op on CPU (see module docstring); returns [T, H] in ``x.dtype``."""
+    _log_once("torch", "neuron-w8 CPU MoE: torch implementation (exact, dequantises each routed expert per call)")
+    return fused_moe_torch(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
+                           activation, swiglu_limit)
+
+
+def native_available() -> bool:
+    """Whether the native kernel can run here (not built yet in this revision)."""
+    return False
