@@ -182,7 +182,7 @@ def quant_format(config: dict) -> QuantFormat:
     method = str(qc.get("quant_method", "")).lower()
     skip = list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or qc.get("ignore") or [])
     if method == "neuron-w8":
-        block = tuple(qc.get("weight_block_size") or (128, 128))
+        block = tuple(qc.get("expert_block_size") or qc.get("weight_block_size") or (128, 128))
         return QuantFormat("neuron-w8", method, (int(block[0]), int(block[1])), "weight_scale_inv", skip,
                            qc.get("mode"), qc.get("code_format"))
     if method == "fp8":

@@ -53,6 +53,9 @@ def cmd_convert(args) -> int:
         _print_json(report)
     elif report["ok"]:
         print(report["message"])
+    else:
+        for e in report["errors"]:
+            print(f"error: {e}", file=sys.stderr)
     return 0 if report["ok"] else 1
 
 
