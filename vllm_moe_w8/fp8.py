@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 E4M3_MAX = 240.0  # Trn2 float8_e4m3
@@ -76,7 +77,8 @@ def decode(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     table = {"e4m3": DECODE_E4M3, "e4m3fn": DECODE_E4M3FN}.get(fmt)
     if table is None:
         raise ValueError(f"unknown FP8 format {fmt!r}; expected 'e4m3' or 'e4m3fn'")
-    return table[_as_bytes(codes).long()]
+    # np.take on the uint8 bytes: ~4x torch's int64 gather and ~2x torch's fp8 cast on CPU
+    return torch.from_numpy(np.take(table.numpy(), _np_bytes(codes))).reshape(codes.shape)
 
 
 def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -213,6 +215,23 @@ def _check_scales(scale: torch.Tensor, shape, block, name) -> torch.Tensor:
     return s
 
 
+def _np_bytes(codes: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(_as_bytes(codes).detach().cpu().numpy())
+
+
+def _has_nan_code(codes: torch.Tensor) -> bool:
+    c = _np_bytes(codes)
+    return bool(np.any((c & 0x7F) == NAN_MAG))  # numpy: uint8 elementwise is vectorised, torch's is not
+
+
+def _tile_max(x: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """Maximum of each tile of a 2-D array, ragged edges included (no padding copy)."""
+    n, k = x.shape
+    bn, bk = block
+    per_row = np.maximum.reduceat(x, np.arange(0, k, bk or k), axis=1) if k else x[:, :0]
+    return np.maximum.reduceat(per_row, np.arange(0, n, bn), axis=0)
+
+
 def count_nan_codes(codes: torch.Tensor) -> int:
     """Number of e4m3fn NaN bytes (0x7F / 0xFF)."""
     return int(((_as_bytes(codes) & 0x7F) == NAN_MAG).sum())
@@ -222,8 +241,8 @@ def _check_weight(weight: torch.Tensor, name) -> torch.Tensor:
     if weight.dim() != 2:
         raise ValueError(f"weight{_where(name)} must be 2-D [out, in], got shape {tuple(weight.shape)}")
     codes = _as_bytes(weight)
-    nan = (codes & 0x7F) == NAN_MAG
-    if bool(nan.any()):
+    if _has_nan_code(codes):
+        nan = (codes & 0x7F) == NAN_MAG
         idx = tuple(int(i) for i in nan.nonzero()[0])
         raise ValueError(
             f"weight{_where(name)} holds {int(nan.sum())} FP8 NaN code(s) (0x7F/0xFF), first at {idx}; "
@@ -276,28 +295,46 @@ def repack(
 
 
 def _repack_pow2(codes, s, block, name) -> Repacked:
-    shape = tuple(codes.shape)
-    tiles = _tiles(codes, block)
-    mag = tiles & 0x7F
-    shift = mag.amax(dim=(1, 3)) >= FN_ONLY_MIN_MAG  # [gn, gk]
-    n_shift = int(shift.sum())
-    stats = RepackStats(blocks=shift.numel(), values=codes.numel())
-    if n_shift == 0:
+    """Vectorised in numpy (uint8 elementwise ops there are ~5x torch's on CPU); no loop over tiles.
+
+    Real checkpoints shift nearly every tile, so every byte is halved first (``code - 8``, right for
+    magnitudes >= 0x10), the rare small magnitudes are fixed up sparsely, and the tiles that must not
+    shift (if any) get their original bytes back.
+    """
+    n, k = codes.shape
+    bn, bk = block[0], block[1] or k
+    c = _np_bytes(codes)
+    stats = RepackStats(blocks=s.numel(), values=c.size)
+    if c.size == 0:
         return Repacked(codes.contiguous(), s.contiguous(), "pow2", block, stats)
-    new_s = torch.where(shift, s * 2.0, s)
+    mag = c & 0x7F
+    shift = _tile_max(mag, (bn, bk)) >= FN_ONLY_MIN_MAG  # [gn, gk]
+    n_shift = int(shift.sum())
+    if n_shift == 0:
+        return Repacked(torch.from_numpy(c.copy()), s.contiguous(), "pow2", block, stats)
+    shift_t = torch.from_numpy(shift)
+    new_s = torch.where(shift_t, s * 2.0, s)
     if not bool(torch.isfinite(new_s).all()):
         idx = tuple(int(i) for i in (~torch.isfinite(new_s)).nonzero()[0])
         raise ValueError(f"doubling scale{_where(name)} at block {idx} overflows float32; pow2 cannot represent this block exactly, use mode='output-block'")
-    shift4 = shift[:, None, :, None]
-    out = torch.where(shift4, halve_codes(tiles), tiles)
-    rounded = shift4 & (mag < 0x10) & ((mag & 1) == 1)
-    per_block_rounded = rounded.sum(dim=(1, 3))
+    out = c - np.uint8(8)  # exponent field minus one; wrong (fixed below) only for magnitudes < 0x10
+    small = np.flatnonzero(mag < 0x10)
+    m = mag.ravel()[small]
+    half = m >> 1
+    out.ravel()[small] = (half + (m & half & 1)) | (c.ravel()[small] & 0x80)  # round half to even
+    if n_shift < shift.size:
+        keep = ~np.repeat(np.repeat(shift, bn, axis=0)[:n], bk, axis=1)[:, :k]
+        out[keep] = c[keep]
+    odd = small[(m & 1) == 1]
+    rows, cols = odd // k, odd % k
+    in_shifted = shift[rows // bn, cols // bk]
     stats.blocks_shifted = n_shift
-    stats.values_changed = int(per_block_rounded.sum())
+    stats.values_changed = int(in_shifted.sum())
     if stats.values_changed:
         # A rounded value moves by half a unit of 2**-9 at the doubled scale: 2**-10 * 2s = 2**-9 * s.
-        stats.max_abs_error = float(s[per_block_rounded > 0].max()) * 2.0**-9
-    return Repacked(_untile(out, shape).contiguous(), new_s.contiguous(), "pow2", block, stats)
+        tiles = torch.from_numpy(rows[in_shifted] // bn), torch.from_numpy(cols[in_shifted] // bk)
+        stats.max_abs_error = float(s[tiles].max()) * 2.0**-9
+    return Repacked(torch.from_numpy(out), new_s.contiguous(), "pow2", block, stats)
 
 
 def _repack_output_block(codes, s, block, name) -> Repacked:
