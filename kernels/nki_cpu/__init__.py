@@ -1,0 +1,20 @@
+"""A CPU interpreter for the subset of NKI (``nki``, ``nki.language``, ``nki.isa``) this project's kernels use.
+
+No machine here can install AWS's ``nki`` / ``neuronx-cc``, so the kernels in ``vllm_moe_w8.kernels`` are
+executed by this interpreter instead: the kernels' own source runs, with ``nl`` / ``nisa`` bound to
+:mod:`.language` / :mod:`.isa` (see ``vllm_moe_w8.kernels.nki_api``). Numerics are numpy float32 with
+FP8/BF16 storage from ml_dtypes. It enforces what Trn2 enforces (partition dim <= 128; nc_matmul shape,
+dtype and PSUM rules; ``accumulate=True`` only after an initialising matmul; PSUM 8 x 2 KiB banks and SBUF
+224 KiB per partition; DMA dtype matching; no reads of never-written memory) and counts what a kernel
+does (:class:`Stats`), which :mod:`.cost` turns into an estimated NeuronCore-v3 time.
+
+What it does not model: instruction scheduling and engine concurrency (the cost model assumes perfect
+overlap), DMA queues, the compiler's buffer rotation, hardware activation-function approximations, and
+FP8 subnormal handling in TensorE (assumed IEEE-like; a device check).
+"""
+
+from . import isa, language
+from .machine import NkiValidationError, Stats, Tensor
+from .runtime import Kernel, jit, run, simulate
+
+__all__ = ["isa", "language", "NkiValidationError", "Stats", "Tensor", "Kernel", "jit", "run", "simulate"]

@@ -1,0 +1,121 @@
+"""Host-side preparation for the MoE kernels (torch; no NKI): the one-time weight re-layout, static token
+buckets with padding, and dense affinities from top-k routing.
+
+The op's storage (DEVELOPING.md) is ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` uint8 with scale grids over
+(block_n, block_k) tiles. The kernels want the contraction dimension on partitions, split as
+``[E, 128, H/128, 2I]`` / ``[E, 128, I/128, H]`` (see kernels/moe_w8.py); scales keep their grids.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+P = 128
+T_BUCKETS = (16, 32, 64, 128, 256)  # static token counts the kernels are compiled for
+T_MAX = T_BUCKETS[-1]
+KERNEL_MODES = {(128, 128): "pow2", (128, 0): "output-block"}
+
+
+def kernel_mode(block_n: int, block_k: int, code_format: str) -> str:
+    """The kernel variant for a scale tiling, or ValueError saying why none applies."""
+    if code_format != "e4m3":
+        raise ValueError(f"the NKI kernels multiply Trn2 float8_e4m3 codes; code_format {code_format!r} (lut storage) has no kernel, use the torch path")
+    mode = KERNEL_MODES.get((block_n, block_k))
+    if mode is None:
+        raise ValueError(
+            f"no NKI kernel for scale tiles ({block_n}, {block_k}); kernels exist for 128x128 blocks (pow2) and "
+            "(128, 0) output blocks. Refined grids under tensor parallelism (per-rank size not a multiple of 128) "
+            "and per-channel scales use the torch path"
+        )
+    return mode
+
+
+@dataclass
+class KernelWeights:
+    """One layer's experts in the kernels' layout (made once at load time)."""
+
+    w13: torch.Tensor  # [E, 128, H/128, 2I] uint8
+    w13_scales: torch.Tensor  # [E, 2I/128, G13] float32
+    w2: torch.Tensor  # [E, 128, I/128, H] uint8
+    w2_scales: torch.Tensor  # [E, H/128, G2] float32
+    mode: str
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2.shape[3]
+
+
+def to_kernel_layout(w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tensor, w2_scales: torch.Tensor,
+                     block_n: int, block_k: int, code_format: str) -> KernelWeights:
+    """Re-lay out the op's expert storage for the kernels (a copy; do it once per layer)."""
+    mode = kernel_mode(block_n, block_k, code_format)
+    e, two_i, h = w13.shape
+    inter = two_i // 2
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        raise ValueError(f"expert codes must be uint8 (got w13 {w13.dtype}, w2 {w2.dtype})")
+    if h % P or inter % P:
+        raise ValueError(f"the NKI kernels need hidden ({h}) and per-rank intermediate ({inter}) sizes that are multiples of 128")
+    if tuple(w2.shape) != (e, h, inter):
+        raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)}: expected {(e, h, inter)}")
+    k13 = w13.transpose(1, 2).reshape(e, h // P, P, two_i).transpose(1, 2).contiguous()
+    k2 = w2.transpose(1, 2).reshape(e, inter // P, P, h).transpose(1, 2).contiguous()
+    return KernelWeights(k13, w13_scales.float().contiguous(), k2, w2_scales.float().contiguous(), mode)
+
+
+def dense_affinities(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, k] routing -> [T, E] fp32: weight of each local expert per token; ids < 0 dropped, duplicates summed."""
+    ids = topk_ids.long()
+    keep = ids >= 0
+    if bool((ids >= num_experts).any()):
+        raise ValueError(f"topk_ids holds expert id {int(ids.max())} >= the {num_experts} local experts")
+    aff = torch.zeros(ids.shape[0], num_experts, dtype=torch.float32)
+    aff.scatter_add_(1, torch.where(keep, ids, 0), torch.where(keep, topk_weights.float(), 0.0))
+    return aff
+
+
+def bucket_for(tokens: int) -> int:
+    """Smallest static bucket holding ``tokens`` (<= T_MAX)."""
+    for b in T_BUCKETS:
+        if tokens <= b:
+            return b
+    raise ValueError(f"{tokens} tokens exceed the largest bucket {T_MAX}; split into chunks (host.chunks)")
+
+
+def chunks(tokens: int) -> list[tuple[int, int, int]]:
+    """(start, stop, bucket) per kernel call for a batch of ``tokens``."""
+    out = []
+    for start in range(0, tokens, T_MAX):
+        stop = min(tokens, start + T_MAX)
+        out.append((start, stop, bucket_for(stop - start)))
+    return out
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))]).contiguous()
+
+
+def run_chunked(launch, x: torch.Tensor, affinities: torch.Tensor) -> torch.Tensor:
+    """Call ``launch(hidden_bf16 [B, H], affinities [B, E]) -> [B, H] fp32`` per bucketed chunk; unpad."""
+    outs = []
+    for start, stop, bucket in chunks(x.shape[0]):
+        hidden = pad_rows(x[start:stop].to(torch.bfloat16), bucket)
+        aff = pad_rows(affinities[start:stop], bucket)  # padded tokens have zero affinity: they add nothing
+        outs.append(launch(hidden, aff)[: stop - start])
+    return torch.cat(outs) if outs else x.new_zeros((0, 0), dtype=torch.float32)
+
+
+def padded_tokens(tokens: int) -> int:
+    return sum(b for _s, _e, b in chunks(tokens))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)

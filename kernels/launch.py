@@ -1,0 +1,47 @@
+"""Run the MoE kernels on torch tensors through a simulator: AWS's ``nki.simulate`` when real NKI is
+importable, else the project's interpreter (which also returns the run's counters). Tests and the
+benchmark use this; on a Neuron device the binding (vllm_moe_w8/neuron_binding.py) launches the kernels."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from . import host
+from .moe_w8 import moe_w8_output_block, moe_w8_pow2
+from .nki_api import BACKEND, simulate
+
+KERNELS = {"pow2": moe_w8_pow2, "output-block": moe_w8_output_block}
+
+
+def bf16_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+def kernel_args(hidden: torch.Tensor, affinities: torch.Tensor, kw: host.KernelWeights) -> tuple:
+    return (bf16_numpy(hidden.to(torch.bfloat16)), kw.w13.numpy(), kw.w13_scales.numpy(), kw.w2.numpy(),
+            kw.w2_scales.numpy(), affinities.float().contiguous().numpy())
+
+
+def simulate_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights,
+                 stats: list | None = None, kernel=None) -> torch.Tensor:
+    """Routed sum [T, H] fp32 computed by the kernel for ``kw.mode`` (or ``kernel``), bucketed like the binding.
+
+    With the interpreter, each call's :class:`nki_cpu.Stats` is appended to ``stats`` when given."""
+    kernel = kernel or KERNELS[kw.mode]
+    aff = host.dense_affinities(topk_weights, topk_ids, kw.num_experts)
+
+    def launch(hidden, aff_chunk):
+        args = kernel_args(hidden, aff_chunk, kw)
+        if BACKEND == "interpreter":
+            from .nki_cpu import run
+
+            out, st = run(kernel, *args)
+            if stats is not None:
+                stats.append(st)
+        else:
+            out = simulate(kernel)(*args)
+        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+
+    return host.run_chunked(launch, x, aff)
