@@ -1,0 +1,135 @@
+"""The torch custom op ``torch.ops.moe_w8.fused_moe``: the one entry point of the routed-expert compute.
+
+Why a custom op: vLLM compiles the model with ``torch.compile``; on CPU Dynamo traces into the MoE
+method's ``apply()``, and a per-expert loop over data-dependent token sets cannot be traced
+("Could not guard on data-dependent expression"). An opaque ``torch.library.custom_op`` with a
+``register_fake`` (output shape = ``[T, H]`` in x's dtype) is traced as a single node for any token
+count ``T``, and runs eagerly unchanged.
+
+Dispatch (see DEVELOPING.md, "The MoE op", for the signature and semantics):
+
+* tensors on a Neuron/XLA device and ``vllm_moe_w8.neuron_binding`` importable and ``available()``:
+  the NKI kernel ``neuron_binding.fused_moe_neuron``;
+* otherwise the exact CPU implementation ``vllm_moe_w8.cpu_moe.fused_moe_cpu`` (touches only the
+  routed experts); if that module is absent, the fp32 reference ``moe_reference.reference_moe``.
+
+:func:`compute_path` reports which path runs and why (the plugin logs it). Imports neither vLLM nor NKI.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from vllm_moe_w8 import moe_reference
+
+OP_NAME = "moe_w8::fused_moe"
+CODE_FORMATS = ("e4m3", "e4m3fn")
+ACTIVATIONS = ("silu",)
+
+
+@functools.lru_cache(maxsize=None)
+def _optional_module(name: str):
+    """Import ``vllm_moe_w8.<name>`` if it exists; (module or None, reason)."""
+    try:
+        return importlib.import_module(f"vllm_moe_w8.{name}"), ""
+    except ImportError as exc:  # the module is optional (owned by another engineer / absent here)
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def neuron_status() -> tuple[bool, str]:
+    """(usable, reason) for the Neuron implementation."""
+    mod, why = _optional_module("neuron_binding")
+    if mod is None:
+        return False, f"vllm_moe_w8.neuron_binding not importable ({why})"
+    available = getattr(mod, "available", None)
+    if available is None or not hasattr(mod, "fused_moe_neuron"):
+        return False, "vllm_moe_w8.neuron_binding has no available()/fused_moe_neuron()"
+    try:
+        ok, reason = available()
+    except Exception as exc:  # a broken Neuron install must not take the CPU path down
+        return False, f"neuron_binding.available() raised {type(exc).__name__}: {exc}"
+    return bool(ok), str(reason)
+
+
+def _cpu_impl():
+    mod, why = _optional_module("cpu_moe")
+    fn = getattr(mod, "fused_moe_cpu", None) if mod is not None else None
+    if fn is not None:
+        return fn, "cpu_moe.fused_moe_cpu", "exact CPU implementation"
+    return None, "moe_reference.reference_moe", f"cpu_moe.fused_moe_cpu unavailable ({why or 'no fused_moe_cpu'}); fp32 reference"
+
+
+def compute_path(device: torch.device | str = "cpu") -> tuple[str, str]:
+    """(implementation name, reason) the op uses for tensors on ``device``."""
+    device = torch.device(device)
+    ok, reason = neuron_status()
+    if device.type != "cpu" and ok:
+        return "neuron_binding.fused_moe_neuron", f"Neuron available: {reason}"
+    _, name, why = _cpu_impl()
+    if device.type == "cpu":
+        where = f"tensors on CPU; Neuron path {'available but unused' if ok else 'unavailable: ' + reason}"
+    else:
+        where = f"tensors on {device.type} but Neuron path unavailable: {reason}"
+    return name, f"{why}; {where}"
+
+
+def _check(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation):
+    if code_format not in CODE_FORMATS:
+        raise ValueError(f"moe_w8.fused_moe: code_format {code_format!r} unknown; expected one of {CODE_FORMATS}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe_w8.fused_moe: activation {activation!r} unsupported; expected one of {ACTIVATIONS}")
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        raise ValueError(f"moe_w8.fused_moe: expert weights must be uint8 codes, got w13 {w13.dtype}, w2 {w2.dtype}")
+    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"moe_w8.fused_moe: shapes x {tuple(x.shape)}, topk_weights {tuple(topk_weights.shape)}, "
+            f"topk_ids {tuple(topk_ids.shape)} do not agree (expected [T, H], [T, k], [T, k])"
+        )
+    if w13.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or 2 * w2.shape[2] != w13.shape[1]:
+        raise ValueError(
+            f"moe_w8.fused_moe: weight shapes w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}"
+        )
+    if block_n < 1 or block_k < 0:
+        raise ValueError(f"moe_w8.fused_moe: block ({block_n}, {block_k}) invalid")
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    code_format: str,
+    activation: str = "silu",
+    swiglu_limit: float = 0.0,
+) -> torch.Tensor:
+    """Routed-expert sum ``[T, H]`` in x's dtype (see the module docstring)."""
+    _check(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
+    args = (x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation, swiglu_limit)
+    if x.device.type != "cpu":
+        ok, reason = neuron_status()
+        if not ok:
+            raise RuntimeError(f"moe_w8.fused_moe: tensors on {x.device} but the Neuron path is unavailable: {reason}")
+        mod, _ = _optional_module("neuron_binding")
+        return mod.fused_moe_neuron(*args)
+    if x.shape[0] == 0:
+        return x.new_zeros((0, w2.shape[1]))
+    fn, _, _ = _cpu_impl()
+    if fn is not None:
+        out = fn(*args)
+    else:
+        out = moe_reference.reference_moe(*args)
+    return out.to(x.dtype)
+
+
+@fused_moe.register_fake
+def _fused_moe_fake(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation="silu", swiglu_limit=0.0):
+    return x.new_empty((x.shape[0], w2.shape[1]))

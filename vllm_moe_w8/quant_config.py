@@ -1,0 +1,412 @@
+"""``NeuronW8Config``: the vLLM ``QuantizationConfig`` of the ``neuron-w8`` method.
+
+What it claims (anything else is refused with a message naming what was found and what is supported):
+
+* native block FP8 (``quant_method: fp8``, ``weight_block_size: [128, 128]``, dynamic activations) —
+  Qwen3 / Qwen3.5 / GLM-5 / GLM-5.3-Flash FP8 checkpoints;
+* compressed-tensors per-channel FP8 (weights ``type: float``, ``num_bits: 8``, ``strategy: channel``,
+  ``weight_scale`` [out, 1], dynamic or absent input activations) — GLM-4.5/4.6/4.7-FP8;
+* checkpoints converted by ``vllm-moe-w8 convert`` (``quant_method: neuron-w8``, see DEVELOPING.md).
+
+Selection: ``--quantization neuron-w8`` (any case) on such a checkpoint, or a converted checkpoint by
+itself, or (opt-in) automatically for block-FP8 / per-channel checkpoints of a supported architecture
+when ``VLLM_MOE_W8_AUTO=1``. Without the opt-in vLLM's behaviour is unchanged.
+
+Layer methods: routed experts -> :class:`vllm_moe_w8.moe_method.NeuronW8MoEMethod` (uint8 codes +
+fp32 scales, the ``moe_w8::fused_moe`` op); every other quantised linear layer ->
+:class:`vllm_moe_w8.linear_method.NeuronW8LinearMethod` (dequantised once to the model dtype).
+Layers named by ``modules_to_not_convert`` / ``ignored_layers`` / compressed-tensors ``ignore`` stay
+unquantised.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from vllm_moe_w8 import QUANTIZATION_NAME, fp8
+
+logger = init_logger("vllm.neuron_w8")
+
+SUPPORTED_ARCHITECTURES = (
+    "Qwen3MoeForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Glm4MoeForCausalLM",
+    "GlmMoeDsaForCausalLM",
+    "Glm5NextForCausalLM",
+    "Glm5NextForConditionalGeneration",
+)
+SUPPORTED_BLOCK = [128, 128]
+AUTO_ENV = "VLLM_MOE_W8_AUTO"
+SUPPORTED_FORMATS_TEXT = (
+    "block FP8 (quant_method 'fp8', weight_block_size [128, 128], activation_scheme 'dynamic'), "
+    "compressed-tensors per-channel FP8 (weights type 'float', num_bits 8, strategy 'channel'; dynamic "
+    "or no input activations), or a checkpoint converted by `vllm-moe-w8 convert` (quant_method 'neuron-w8')"
+)
+
+
+class UnsupportedCheckpoint(ValueError):
+    """The checkpoint's quantization_config is not one neuron-w8 can serve."""
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """What the checkpoint stores, as far as the plugin cares.
+
+    ``kind``: 'block' (native block FP8), 'channel' (compressed-tensors per-channel) or 'converted'.
+    ``linear_block``: tile of the non-expert linear scales ((128, 128) or per-channel (1, 0)).
+    ``linear_scale_suffix``: the non-expert scale tensor's name ('weight_scale_inv' / 'weight_scale').
+    ``expert_block`` / ``expert_scale_suffix``: the same for routed experts.
+    ``mode`` / ``code_format``: for converted checkpoints, the stored repack (codes already final).
+    """
+
+    kind: str
+    linear_block: tuple[int, int]
+    linear_scale_suffix: str
+    expert_block: tuple[int, int]
+    expert_scale_suffix: str
+    ignored: tuple[str, ...] = ()
+    mode: str | None = None
+    code_format: str = "e4m3fn"
+    checkpoint_mode: str | None = None  # a 'mode' key the user put in an fp8 checkpoint's config
+    raw: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def converted(self) -> bool:
+        return self.kind == "converted"
+
+
+def _ignored_list(cfg: dict) -> list[str]:
+    out: list[str] = []
+    for key in ("modules_to_not_convert", "ignored_layers", "ignore"):
+        value = cfg.get(key) or []
+        if isinstance(value, str):
+            value = [value]
+        out.extend(str(v) for v in value)
+    return out
+
+
+def _parse_block_fp8(cfg: dict) -> CheckpointFormat:
+    block = cfg.get("weight_block_size")
+    scheme = cfg.get("activation_scheme", "dynamic")
+    if block is None:
+        raise UnsupportedCheckpoint(
+            "quantization_config has quant_method 'fp8' without weight_block_size (per-tensor FP8); "
+            f"neuron-w8 supports {SUPPORTED_FORMATS_TEXT}"
+        )
+    if list(block) != SUPPORTED_BLOCK:
+        raise UnsupportedCheckpoint(
+            f"quantization_config weight_block_size is {list(block)}; neuron-w8 supports block FP8 with "
+            f"weight_block_size {SUPPORTED_BLOCK} only (all Qwen/GLM FP8 checkpoints use it)"
+        )
+    if scheme != "dynamic":
+        raise UnsupportedCheckpoint(
+            f"quantization_config activation_scheme is {scheme!r}; neuron-w8 supports 'dynamic' activations only "
+            "(weights are FP8, activations stay in the model dtype)"
+        )
+    fmt = cfg.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise UnsupportedCheckpoint(f"quantization_config fmt is {fmt!r}; neuron-w8 supports 'e4m3' (OCP E4M3FN) weights")
+    mode = cfg.get("mode")
+    if mode is not None and mode not in fp8.MODES:
+        raise UnsupportedCheckpoint(f"quantization_config mode is {mode!r}; choose one of {', '.join(fp8.MODES)}")
+    return CheckpointFormat(
+        kind="block", linear_block=(128, 128), linear_scale_suffix="weight_scale_inv",
+        expert_block=(128, 128), expert_scale_suffix="weight_scale_inv",
+        ignored=tuple(_ignored_list(cfg)), checkpoint_mode=mode, raw=dict(cfg),
+    )
+
+
+def _parse_compressed_tensors(cfg: dict) -> CheckpointFormat:
+    groups = cfg.get("config_groups") or {}
+    if not groups:
+        raise UnsupportedCheckpoint(f"compressed-tensors quantization_config has no config_groups; neuron-w8 supports {SUPPORTED_FORMATS_TEXT}")
+    for name, group in groups.items():
+        w = group.get("weights") or {}
+        a = group.get("input_activations")
+        found = f"config_groups[{name!r}].weights = {{type: {w.get('type')!r}, num_bits: {w.get('num_bits')!r}, strategy: {w.get('strategy')!r}}}"
+        if w.get("type") != "float" or w.get("num_bits") != 8:
+            raise UnsupportedCheckpoint(f"compressed-tensors {found} is not FP8; neuron-w8 supports {SUPPORTED_FORMATS_TEXT}")
+        if w.get("strategy") != "channel":
+            raise UnsupportedCheckpoint(
+                f"compressed-tensors {found}: neuron-w8 supports the per-channel strategy ('channel', weight_scale [out, 1]) "
+                f"for compressed-tensors; other formats supported: {SUPPORTED_FORMATS_TEXT}"
+            )
+        if w.get("dynamic"):
+            raise UnsupportedCheckpoint(f"compressed-tensors {found} has dynamic weights; neuron-w8 needs stored FP8 weights")
+        if a is not None and not a.get("dynamic", False):
+            raise UnsupportedCheckpoint(
+                f"compressed-tensors config_groups[{name!r}].input_activations is static (strategy {a.get('strategy')!r}); "
+                "neuron-w8 supports dynamic or absent input activations only"
+            )
+    return CheckpointFormat(
+        kind="channel", linear_block=(1, 0), linear_scale_suffix="weight_scale",
+        expert_block=(1, 0), expert_scale_suffix="weight_scale",
+        ignored=tuple(_ignored_list(cfg)), raw=dict(cfg),
+    )
+
+
+def _parse_converted(cfg: dict) -> CheckpointFormat:
+    mode = cfg.get("mode")
+    if mode not in fp8.MODES:
+        raise UnsupportedCheckpoint(f"neuron-w8 quantization_config mode is {mode!r}; expected one of {', '.join(fp8.MODES)} (re-run `vllm-moe-w8 convert`)")
+    code_format = cfg.get("code_format", fp8.CODE_FORMAT[mode])
+    if code_format != fp8.CODE_FORMAT[mode]:
+        raise UnsupportedCheckpoint(f"neuron-w8 quantization_config code_format {code_format!r} does not match mode {mode!r} (expected {fp8.CODE_FORMAT[mode]!r})")
+    source = cfg.get("source") or {}
+    if not isinstance(source, dict):
+        raise UnsupportedCheckpoint("neuron-w8 quantization_config 'source' must be the original quantization_config (a dict)")
+    src = parse_checkpoint_format(source) if source else None
+    if src is not None and src.converted:
+        raise UnsupportedCheckpoint("neuron-w8 quantization_config 'source' is itself a neuron-w8 config; it must be the original FP8 config")
+    if src is None:
+        block = cfg.get("weight_block_size", SUPPORTED_BLOCK)
+        if list(block) != SUPPORTED_BLOCK:
+            raise UnsupportedCheckpoint(f"neuron-w8 quantization_config weight_block_size {list(block)}; expected {SUPPORTED_BLOCK}")
+        src = CheckpointFormat("block", (128, 128), "weight_scale_inv", (128, 128), "weight_scale_inv")
+    expert_block = (fp8.OUTPUT_BLOCK_ROWS, 0) if mode == "output-block" else src.expert_block
+    return CheckpointFormat(
+        kind="converted", linear_block=src.linear_block, linear_scale_suffix=src.linear_scale_suffix,
+        expert_block=expert_block, expert_scale_suffix="weight_scale_inv",
+        ignored=tuple(_ignored_list(cfg)) + src.ignored, mode=mode, code_format=code_format, raw=dict(cfg),
+    )
+
+
+def parse_checkpoint_format(cfg: dict | None) -> CheckpointFormat:
+    """Classify a checkpoint's ``quantization_config``; :class:`UnsupportedCheckpoint` if neuron-w8 cannot serve it."""
+    if not cfg:
+        raise UnsupportedCheckpoint(
+            "the model has no quantization_config (an unquantised checkpoint); neuron-w8 serves FP8 checkpoints: "
+            f"{SUPPORTED_FORMATS_TEXT}. Serve a BF16 model without --quantization"
+        )
+    method = str(cfg.get("quant_method", "")).lower()
+    if method == "fp8":
+        return _parse_block_fp8(cfg)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(cfg)
+    if method == QUANTIZATION_NAME:
+        return _parse_converted(cfg)
+    raise UnsupportedCheckpoint(f"quantization_config has quant_method {cfg.get('quant_method')!r}; neuron-w8 supports {SUPPORTED_FORMATS_TEXT}")
+
+
+def check_architecture(hf_config: Any) -> None:
+    """Raise :class:`UnsupportedCheckpoint` unless the model's architecture is one the plugin serves."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise UnsupportedCheckpoint(
+            f"architecture {archs} is not supported by neuron-w8; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def _auto_enabled() -> bool:
+    return os.environ.get(AUTO_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class NeuronW8Config(QuantizationConfig):
+    """vLLM config object of the ``neuron-w8`` method (one per model)."""
+
+    def __init__(self, checkpoint_format: CheckpointFormat | None = None) -> None:
+        super().__init__()
+        if checkpoint_format is None:
+            parse_checkpoint_format(None)  # raises the "no quantization_config" message
+        self.format: CheckpointFormat = checkpoint_format
+        self.ignored: list[str] = list(checkpoint_format.ignored)
+        # Load bookkeeping shared by every MoE layer of this model (logging, summary).
+        self.moe_layers_created = 0
+        self.moe_layers_processed = 0
+        self.load_stats: dict[str, float] = {}
+
+    # ---- QuantizationConfig interface -------------------------------------------------------
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANTIZATION_NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "NeuronW8Config":
+        return cls(parse_checkpoint_format(config))
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None) -> str | None:
+        user = (user_quant or "").lower() or None
+        method = str((hf_quant_cfg or {}).get("quant_method", "")).lower()
+        if user == QUANTIZATION_NAME:
+            # The user asked for us: claim it, and refuse now (clearly) what we cannot serve.
+            parse_checkpoint_format(hf_quant_cfg)
+            check_architecture(hf_config)
+            return QUANTIZATION_NAME
+        if user is None and method == QUANTIZATION_NAME:
+            check_architecture(hf_config)
+            return QUANTIZATION_NAME
+        if user is None and method in ("fp8", "compressed-tensors") and _auto_enabled():
+            try:
+                parse_checkpoint_format(hf_quant_cfg)
+                check_architecture(hf_config)
+            except UnsupportedCheckpoint as exc:
+                logger.info("neuron-w8: %s=1 but not claiming this checkpoint: %s", AUTO_ENV, exc)
+                return None
+            logger.info("neuron-w8: claiming the %s checkpoint automatically (%s=1)", method, AUTO_ENV)
+            return QUANTIZATION_NAME
+        return None
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None):
+        if hf_config is not None:
+            check_architecture(hf_config)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        plain = [p for p in self.ignored if not p.startswith("re:")]
+        regex = [p for p in self.ignored if p.startswith("re:")]
+        self.ignored = list(hf_to_vllm_mapper.apply_list(plain)) + plain + regex
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+        if isinstance(layer, LinearBase):
+            if self.is_layer_skipped(prefix):
+                return UnquantizedLinearMethod()
+            from vllm_moe_w8.linear_method import NeuronW8LinearMethod
+
+            return NeuronW8LinearMethod(self, prefix)
+        if isinstance(layer, RoutedExperts):
+            if self.is_layer_skipped(prefix):
+                from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+
+                return UnquantizedFusedMoEMethod(layer.moe_config)
+            from vllm_moe_w8.moe_method import NeuronW8MoEMethod
+
+            return NeuronW8MoEMethod(self, layer, prefix)
+        return None
+
+    # ---- skip lists ----------------------------------------------------------------------------
+    def _matches(self, name: str) -> bool:
+        for pattern in self.ignored:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], name) or re.match(pattern[3:], name):
+                    return True
+            elif name == pattern or name.endswith("." + pattern) or name.startswith(pattern + "."):
+                return True
+        return False
+
+    def is_layer_skipped(self, prefix: str) -> bool:
+        """True if ``prefix`` (or, for a fused layer, every shard of it) is in the skip list."""
+        if not self.ignored:
+            return False
+        if self._matches(prefix):
+            return True
+        proj = prefix.rsplit(".", 1)[-1]
+        shards = self.packed_modules_mapping.get(proj)
+        if not shards:
+            return False
+        base = prefix[: len(prefix) - len(proj)]
+        flags = [self._matches(base + s) for s in shards]
+        if all(flags):
+            return True
+        if any(flags):
+            raise ValueError(
+                f"neuron-w8: fused layer {prefix!r} mixes skipped and quantised shards "
+                f"({dict(zip(shards, flags))}) according to modules_to_not_convert/ignore; such a checkpoint cannot be loaded"
+            )
+        return False
+
+
+# ---- runtime settings: --additional-config '{"neuron_w8": {...}}' and environment ------------------
+ADDITIONAL_CONFIG_KEY = "neuron_w8"
+SETTINGS_DEFAULTS = {"mode": None, "self_check": True, "self_check_experts": 3}
+MODE_ENV = "VLLM_MOE_W8_MODE"
+SELF_CHECK_ENV = "VLLM_MOE_W8_SELF_CHECK"
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """Resolved user settings. ``mode`` is final (None never escapes :func:`runtime_settings`)."""
+
+    mode: str
+    mode_source: str
+    self_check: bool
+    self_check_experts: int
+
+
+def _as_bool(value: Any, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"neuron-w8: {what} must be true or false, got {value!r}")
+
+
+def user_settings(additional_config: Any = None) -> dict:
+    """The ``neuron_w8`` section of vLLM's additional_config (validated keys), or {}."""
+    if additional_config is None:
+        try:
+            from vllm.config import get_current_vllm_config_or_none
+
+            vc = get_current_vllm_config_or_none()
+            additional_config = getattr(vc, "additional_config", None) if vc is not None else None
+        except ImportError:  # pragma: no cover - vLLM without this helper
+            additional_config = None
+    section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}) if isinstance(additional_config, dict) else {}
+    if not isinstance(section, dict):
+        raise ValueError(f"neuron-w8: additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be an object, got {section!r}")
+    unknown = sorted(set(section) - set(SETTINGS_DEFAULTS) - {"auto"})
+    if unknown:
+        raise ValueError(
+            f"neuron-w8: unknown additional_config[{ADDITIONAL_CONFIG_KEY!r}] key(s) {unknown}; known keys: "
+            f"{sorted(SETTINGS_DEFAULTS)} (automatic claiming is the environment variable {AUTO_ENV}=1)"
+        )
+    return section
+
+
+def runtime_settings(fmt: CheckpointFormat, additional_config: Any = None) -> RuntimeSettings:
+    """Mode and self-check settings, by precedence: additional_config > environment > checkpoint > default.
+
+    A converted checkpoint's mode is fixed (its codes are already in that mode's format): asking for
+    another one is an error.
+    """
+    section = user_settings(additional_config)
+    if section.get("mode") is not None:
+        mode, source = section["mode"], f"additional_config {ADDITIONAL_CONFIG_KEY}.mode"
+    elif os.environ.get(MODE_ENV):
+        mode, source = os.environ[MODE_ENV].strip(), f"environment {MODE_ENV}"
+    elif fmt.converted:
+        mode, source = fmt.mode, "converted checkpoint"
+    elif fmt.checkpoint_mode is not None:
+        mode, source = fmt.checkpoint_mode, "checkpoint quantization_config.mode"
+    else:
+        mode, source = "pow2", "default"
+    if mode not in fp8.MODES:
+        raise ValueError(f"neuron-w8: mode {mode!r} (from {source}) unknown; choose one of {', '.join(fp8.MODES)}")
+    if fmt.converted and mode != fmt.mode:
+        raise ValueError(
+            f"neuron-w8: the checkpoint was converted with mode {fmt.mode!r}, but {source} asks for {mode!r}; "
+            "a converted checkpoint's codes are final: drop the setting or convert the original FP8 checkpoint again"
+        )
+    self_check = section.get("self_check")
+    if self_check is None:
+        self_check = os.environ.get(SELF_CHECK_ENV, "1")
+    n = int(section.get("self_check_experts", SETTINGS_DEFAULTS["self_check_experts"]))
+    if n < 0:
+        raise ValueError(f"neuron-w8: self_check_experts must be >= 0, got {n}")
+    return RuntimeSettings(mode, source, _as_bool(self_check, "self_check"), n)
