@@ -1,0 +1,172 @@
+"""`vllm-moe-w8 plan`: the published routed-expert figures, dense-layer spellings, KV models, TP advice.
+
+The CHECKPOINTS.md table (shared docs, beside the clone in CI) is the independent truth for the
+packaged configs; a converted tiny checkpoint's real tensor bytes are the truth for the scale model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm_moe_w8 import cli
+from vllm_moe_w8.plan import (
+    PlanError,
+    load_model_entry,
+    make_plan,
+    model_shape,
+    moe_layer_indices,
+    packaged_configs,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE_CANDIDATES = [REPO.parent / "shared" / "docs" / "CHECKPOINTS.md", Path("/work/shared/docs/CHECKPOINTS.md")]
+# The table prints GB with two decimals: a figure is right when it rounds to the printed value.
+TABLE_ROUNDING_GB = 0.005 + 1e-9
+
+
+def _table_rows() -> list[dict]:
+    path = next((p for p in TABLE_CANDIDATES if p.is_file()), None)
+    if path is None:
+        pytest.skip(f"CHECKPOINTS.md not found (looked in {[str(p) for p in TABLE_CANDIDATES]}); the shared docs are not beside this clone")
+    lines = path.read_text().splitlines()
+    header_i = next(i for i, l in enumerate(lines) if l.startswith("| model |"))
+    head = [c.strip() for c in lines[header_i].strip("|").split("|")]
+    rows = []
+    for line in lines[header_i + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [re.sub(r"\*", "", c).strip() for c in line.strip("|").split("|")]
+        rows.append(dict(zip(head, cells)))
+    assert rows, f"{path}: no rows under the routed-expert table header"
+    return rows
+
+
+def _entry_for(model: str) -> dict:
+    for stem in packaged_configs():
+        entry = load_model_entry(stem)
+        if entry["name"] == model:
+            return entry
+    raise AssertionError(f"no packaged config has name {model!r}; configs: {list(packaged_configs())}")
+
+
+def test_plan_reproduces_every_row_of_the_checkpoints_table():
+    rows = _table_rows()
+    for row in rows:
+        entry = _entry_for(row["model"])
+        shape = model_shape(entry["config"])
+        assert shape.architecture == (row["arch"] if row["arch"] != "same" else shape.architecture), row["model"]
+        assert (shape.hidden, len(shape.moe_layers), shape.experts, shape.top_k, shape.moe_intermediate) == (
+            int(row["H"]), int(row["MoE layers"]), int(row["E"]), int(row["top-k"]), int(row["I"])), row["model"]
+        one = make_plan(entry["config"], tp=1)
+        assert abs(one["expert_bytes_total_w8_codes"] / 1e9 - float(row["FP8 GB"])) <= TABLE_ROUNDING_GB, row["model"]
+        assert abs(one["expert_bytes_total_bf16"] / 1e9 - float(row["BF16 GB"])) <= TABLE_ROUNDING_GB, row["model"]
+        for col, ranks in (("FP8/rank @8", 8), ("@16", 16), ("@32", 32)):
+            for ep in (True, False):  # E and I of every table model divide 8/16/32: both splits give total / ranks
+                p = make_plan(entry["config"], tp=ranks, ep=ep)
+                got = p["expert_bytes_per_rank_w8_codes"] / 1e9
+                assert abs(got - float(row[col])) <= TABLE_ROUNDING_GB, (row["model"], ranks, ep, got, row[col])
+                assert p["expert_bytes_per_rank_bf16"] == 2 * p["expert_bytes_per_rank_w8_codes"]
+                assert p["expert_bytes_per_rank_w8"] > p["expert_bytes_per_rank_w8_codes"]  # scales on top
+    assert {r["model"] for r in rows} == {load_model_entry(s)["name"] for s in packaged_configs()}, "a model without a config or a config without a row"
+
+
+def test_glm53_flash_quoted_figure_through_the_cli(capsys):
+    assert cli.main(["plan", "glm-5.3-flash", "--tp", "32", "--ep", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert round(p["expert_bytes_per_rank_w8_codes"] / 1e9, 2) == 9.51
+    assert round(p["expert_bytes_per_rank_bf16"] / 1e9, 2) == 19.03
+    assert p["experts_per_rank"] == 9
+    assert p["shape"]["dense_layer_spelling"] == "mlp_layer_types"
+    assert cli.main(["plan", "glm-5.3-flash", "--tp", "32", "--ep"]) == 0
+    text = capsys.readouterr().out
+    assert "9.51 GB" in text and "19.03 GB" in text and "assumptions:" in text
+
+
+def test_dense_layer_spellings():
+    assert moe_layer_indices({"num_hidden_layers": 6, "first_k_dense_replace": 2})[0] == [2, 3, 4, 5]
+    assert moe_layer_indices({"num_hidden_layers": 6, "mlp_only_layers": [1], "decoder_sparse_step": 2})[0] == [3, 5]
+    assert moe_layer_indices({"num_hidden_layers": 4, "mlp_only_layers": [], "decoder_sparse_step": 1})[0] == [0, 1, 2, 3]
+    types = ["dense", "sparse", "dense", "sparse"]
+    assert moe_layer_indices({"num_hidden_layers": 4, "mlp_layer_types": types})[0] == [1, 3]
+    with pytest.raises(PlanError, match="mlp_layer_types has 4 entries"):
+        moe_layer_indices({"num_hidden_layers": 5, "mlp_layer_types": types})
+
+
+def test_kv_cache_models():
+    # Standard GQA, Qwen3-30B-A3B: 2 (K,V) x 4 KV heads x 128 x 2 B x 48 layers; at TP 8 one (replicated) head per rank
+    q3 = load_model_entry("qwen3-30b-a3b")["config"]
+    assert make_plan(q3, tp=1)["kv_bytes_per_token_per_rank"] == 2 * 4 * 128 * 2 * 48
+    assert make_plan(q3, tp=2)["kv_bytes_per_token_per_rank"] == 2 * 2 * 128 * 2 * 48
+    assert make_plan(q3, tp=8)["kv_bytes_per_token_per_rank"] == 2 * 1 * 128 * 2 * 48
+    assert make_plan(q3, tp=1, kv_dtype_bytes=1)["kv_bytes_per_token_per_rank"] == 2 * 4 * 128 * 1 * 48
+    # Qwen3.5 hybrid: only the 10 full-attention layers of 40 keep per-token K/V; the rest a fixed state
+    q35 = make_plan(load_model_entry("qwen3.5-35b-a3b")["config"], tp=1)
+    assert q35["kv_bytes_per_token_per_rank"] == 2 * 2 * 256 * 2 * 10
+    assert q35["linear_state_bytes_per_sequence_per_rank"] > 0
+    # MLA (GLM-5): latent 512 + rope 64 per layer in bf16, replicated over TP, plus the FP8 indexer key
+    glm5 = load_model_entry("glm-5")["config"]
+    for tp in (1, 8):
+        assert make_plan(glm5, tp=tp)["kv_bytes_per_token_per_rank"] == 78 * ((512 + 64) * 2 + 128 + 4)
+    # KV tokens that fit = free bytes // bytes per token
+    p = make_plan(q3, tp=4, ep=True, hbm_gb=24, max_model_len=4096)
+    f = p["fit"]["w8"]
+    assert f["kv_tokens"] == f["free_bytes_for_kv"] // p["kv_bytes_per_token_per_rank"]
+    assert f["max_sequences_at_max_model_len"] == f["free_bytes_for_kv"] // (4096 * p["kv_bytes_per_token_per_rank"])
+    assert p["fit"]["bf16"]["kv_tokens"] < f["kv_tokens"]
+
+
+def test_tp_advice():
+    q235 = load_model_entry("qwen3-235b-a22b")["config"]
+    p = make_plan(q235, tp=8)
+    assert len(p["warnings"]) == 1 and "1536/8 = 192" in p["warnings"][0] and "[1, 2, 4]" in p["warnings"][0]
+    assert "refining the scale grid to 64-row tiles" in p["warnings"][0] and "--ep" in p["warnings"][0]
+    assert make_plan(q235, tp=8, ep=True)["warnings"] == []
+    flash = load_model_entry("glm-5.3-flash")["config"]
+    assert make_plan(flash, tp=16, hbm_gb=1000)["warnings"] == []  # 2048 / 16 = 128
+    bad = make_plan(q235, tp=5, hbm_gb=1000)
+    assert bad["errors"] and "not divisible by TP=5" in bad["errors"][0]
+    # CHECKPOINTS.md: I/tp is 128-aligned only for Qwen3.5-122B/397B at TP8 and GLM-5 / 5.3-Flash at TP8/16
+    aligned = {(s, tp) for s in packaged_configs() for tp in (8, 16, 32)
+               if not make_plan(load_model_entry(s)["config"], tp=tp, hbm_gb=1e4)["warnings"]}
+    assert aligned == {("qwen3.5-122b-a10b", 8), ("qwen3.5-397b-a17b", 8), ("glm-5", 8), ("glm-5", 16),
+                       ("glm-5.3-flash", 8), ("glm-5.3-flash", 16)}
+
+
+def test_plan_exit_codes_and_inputs(tmp_path, capsys):
+    assert cli.main(["plan", "no-such-model"]) == 1
+    assert "no packaged config named" in capsys.readouterr().err
+    # Does not fit: exit 1 with the reason
+    assert cli.main(["plan", "glm-5", "--tp", "8", "--ep", "--json"]) == 1
+    assert "raise --tp" in json.loads(capsys.readouterr().out)["errors"][0]
+    # --config with a plain config.json, and a folder holding it, give the same plan
+    cfg = load_model_entry("qwen3-30b-a3b")["config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert cli.main(["plan", "--config", str(tmp_path / "config.json"), "--tp", "4", "--ep", "--json"]) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert cli.main(["plan", str(tmp_path), "--tp", "4", "--ep", "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert {k: v for k, v in a.items() if k != "source"} == {k: v for k, v in b.items() if k != "source"}
+    assert a["expert_bytes_per_rank_w8"] and a["expert_bytes_per_rank_bf16"]
+
+
+def test_scale_model_matches_a_converted_checkpoint(tmp_path):
+    """The plan's with-scales bytes equal the bytes `convert` actually writes (pow2 and output-block)."""
+    pytest.importorskip("tokenizers")
+    from vllm_moe_w8 import tiny_models
+    from vllm_moe_w8.checkpoint import Checkpoint
+    from vllm_moe_w8.convert import convert_checkpoint
+
+    src = tiny_models.write_checkpoint(tmp_path / "src", "qwen3-moe")
+    for mode in ("pow2", "output-block"):
+        out = tmp_path / f"out-{mode}"
+        assert convert_checkpoint(src, out, mode=mode, progress=False)["ok"]
+        ck = Checkpoint(out)
+        codes = sum(i.nbytes for en, i in ck.experts() if en.suffix == "weight")
+        scales = sum(i.nbytes for en, i in ck.experts() if en.suffix == "weight_scale_inv")
+        p = make_plan(ck.config, tp=1, mode=mode)
+        assert p["expert_bytes_total_w8_codes"] == codes
+        assert p["expert_bytes_total_w8"] == codes + scales
