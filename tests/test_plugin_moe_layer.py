@@ -1,0 +1,201 @@
+"""The neuron-w8 MoE method on real vLLM ``RoutedExperts`` layers, in-process: loading through vLLM's
+TP/EP-aware weight loader, repack modes, the numerics self-check, TP and EP rank loops, logging.
+
+Independent truth: a float64 MoE over the checkpoint's exactly dequantised weights (torch's own FP8
+conversion, ``_plugin_fixtures.dense_moe``), and the reassembled per-rank shards vs the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from _plugin_fixtures import PREFIX, dense_moe, load_layer, make_checkpoint, make_layer, quant_config_for, rel_err, routing  # noqa: E402
+
+from vllm_moe_w8 import fp8, moe_reference  # noqa: E402
+
+# fp32 accumulation over H=256 / I<=384 products vs a float64 reference, plus pow2's counted
+# round-to-nearest-even values (each <= 2**-9 x its block scale): measured ~1e-6 of max|out|.
+EXACT_MODE_RTOL = 1e-5
+# Same op, same stored weights, different fp32 summation order (per-rank partial sums).
+SUMMATION_RTOL = 1e-5
+# output-block requantises every weight to e4m3 with one scale per 128 rows: each weight moves by
+# up to half an e4m3 step (2**-4 relative), so the layer output moves by a few percent at most.
+OUTPUT_BLOCK_RTOL = 0.1
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return make_checkpoint(num_experts=4, hidden=256, inter=384)
+
+
+@pytest.fixture(scope="module")
+def tokens(ckpt):
+    return routing(9, ckpt.num_experts, 2, ckpt.hidden)
+
+
+def _layer(fmt, ckpt, **kw):
+    layer = make_layer(quant_config_for(fmt), ckpt, **kw)
+    load_layer(layer, ckpt)
+    return layer
+
+
+@pytest.mark.parametrize("mode", ["pow2", "lut", "output-block"])
+def test_block_fp8_layer_matches_float64_reference(ckpt, tokens, mode):
+    layer = _layer("block", ckpt, additional_config={"neuron_w8": {"mode": mode}})
+    method = layer.quant_method
+    assert method.mode == mode and layer.w13_weight.dtype == torch.uint8 and layer.w2_weight.dtype == torch.uint8
+    assert method.code_format == fp8.CODE_FORMAT[mode]
+    x, w, ids = tokens
+    out = method.apply(layer, x, w, ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    on_storage = moe_reference.reference_moe(x, w, ids, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,
+                                             layer.w2_weight_scale_inv, *method.block, method.code_format)
+    assert rel_err(out, on_storage) < SUMMATION_RTOL
+    tol = OUTPUT_BLOCK_RTOL if mode == "output-block" else EXACT_MODE_RTOL
+    assert rel_err(out, dense_moe(ckpt, x, w, ids)) < tol
+
+
+def test_stored_weights_dequantise_to_the_checkpoint(ckpt):
+    """lut keeps every value; pow2 changes exactly the counted RNE values, each by <= 2**-9 x scale."""
+    lut = _layer("block", ckpt, additional_config={"neuron_w8": {"mode": "lut"}})
+    pow2 = _layer("block", ckpt)
+    inter = ckpt.inter
+    changed = 0
+    for e in range(ckpt.num_experts):
+        for layer, exact in ((lut, True), (pow2, False)):
+            m = layer.quant_method
+            gate, up = moe_reference.dequantize_w13(layer.w13_weight, layer.w13_weight_scale_inv, e, m.block, m.code_format)
+            down = moe_reference.dequantize_expert(layer.w2_weight[e], layer.w2_weight_scale_inv[e], m.block, m.code_format)
+            for got, shard in ((gate, "w1"), (up, "w3"), (down, "w2")):
+                want = ckpt.dense[e, shard]
+                if exact:
+                    assert torch.equal(got, want), (e, shard)
+                else:
+                    scale = fp8.expand_scales(ckpt.scales[e, shard].float(), tuple(want.shape), (128, 128))
+                    assert bool(((got - want).abs() <= 2.0**-9 * scale).all())
+                    changed += int((got != want).sum())
+    assert changed == int(pow2.quant_method.quant_config.load_stats["values_rounded"])
+    assert gate.shape == (inter, ckpt.hidden)
+
+
+def test_per_channel_compressed_tensors_layer(tokens):
+    ckpt = make_checkpoint(num_experts=4, hidden=256, inter=384, fmt="channel", seed=3)
+    layer = _layer("channel", ckpt)
+    assert layer.quant_method.block == (1, 0)
+    assert tuple(layer.w13_weight_scale.shape) == (4, 2 * 384, 1) and tuple(layer.w2_weight_scale.shape) == (4, 256, 1)
+    x, w, ids = tokens
+    assert rel_err(layer.quant_method.apply(layer, x, w, ids), dense_moe(ckpt, x, w, ids)) < EXACT_MODE_RTOL
+
+
+@pytest.mark.parametrize("tp_size,inter", [(2, 384), (4, 384), (2, 320)])
+def test_tp_rank_loop_reassembles_and_sums_exactly(tokens, tp_size, inter):
+    """Per-rank intermediate 192 / 96 / 160 is not a multiple of 128: the scale grid is refined to
+    gcd(size, 128) and the shards reassemble the checkpoint bit for bit (lut)."""
+    ckpt = make_checkpoint(num_experts=4, hidden=256, inter=inter, seed=5)
+    x, w, ids = tokens
+    ref_layer = _layer("block", ckpt)
+    ref = ref_layer.quant_method.apply(ref_layer, x, w, ids)
+    per_rank = inter // tp_size
+    total = torch.zeros(x.shape[0], ckpt.hidden, dtype=torch.float64)
+    gates = {e: [] for e in range(ckpt.num_experts)}
+    downs = {e: [] for e in range(ckpt.num_experts)}
+    for rank in range(tp_size):
+        lut = _layer("block", ckpt, tp=(tp_size, rank), additional_config={"neuron_w8": {"mode": "lut"}})
+        m = lut.quant_method
+        assert m.block == (math.gcd(per_rank, 128),) * 2
+        assert tuple(lut.w13_weight.shape) == (ckpt.num_experts, 2 * per_rank, ckpt.hidden)
+        for e in range(ckpt.num_experts):
+            gate, _ = moe_reference.dequantize_w13(lut.w13_weight, lut.w13_weight_scale_inv, e, m.block, m.code_format)
+            gates[e].append(gate)
+            downs[e].append(moe_reference.dequantize_expert(lut.w2_weight[e], lut.w2_weight_scale_inv[e], m.block, m.code_format))
+        pow2 = _layer("block", ckpt, tp=(tp_size, rank))
+        total += pow2.quant_method.apply(pow2, x, w, ids).double()
+    for e in range(ckpt.num_experts):
+        assert torch.equal(torch.cat(gates[e], 0), ckpt.dense[e, "w1"])
+        assert torch.equal(torch.cat(downs[e], 1), ckpt.dense[e, "w2"])
+    assert rel_err(total, ref) < SUMMATION_RTOL
+    assert rel_err(total, dense_moe(ckpt, x, w, ids)) < EXACT_MODE_RTOL
+
+
+def test_ep_rank_loop_holds_and_repacks_only_local_experts(ckpt, tokens):
+    x, w, ids = tokens
+    ref = _layer("block", ckpt)
+    ref_out = ref.quant_method.apply(ref, x, w, ids)
+    total = torch.zeros_like(ref_out, dtype=torch.float64)
+    for rank in range(2):
+        layer = make_layer(quant_config_for("block"), ckpt, ep=(2, rank))
+        loaded = load_layer(layer, ckpt)
+        assert loaded == ckpt.num_experts // 2 * 6  # 3 weights + 3 scales per local expert
+        assert layer.w13_weight.shape[0] == ckpt.num_experts // 2
+        stats = layer.quant_method.quant_config.load_stats
+        assert stats["blocks"] == ckpt.num_experts // 2 * (3 * 2 + 3 * 2 + 2 * 3)  # local experts only
+        total += layer.quant_method.apply(layer, x, w, ids).double()
+    assert rel_err(total, ref_out) < SUMMATION_RTOL
+
+
+def test_swiglu_limit_is_applied(ckpt, tokens):
+    x, w, ids = tokens
+    layer = _layer("block", ckpt, swiglu_limit=0.05)
+    out = layer.quant_method.apply(layer, x, w, ids)
+    assert rel_err(out, dense_moe(ckpt, x, w, ids, swiglu_limit=0.05)) < EXACT_MODE_RTOL
+    assert rel_err(out, dense_moe(ckpt, x, w, ids)) > 10 * EXACT_MODE_RTOL  # the clamp did bite
+
+
+def test_self_check_stops_a_bad_repack_and_can_be_disabled(ckpt, monkeypatch):
+    real = fp8.repack
+
+    def corrupt(weight, scale, mode="pow2", block=fp8.DEFAULT_BLOCK, name=None):
+        out = real(weight, scale, mode, block, name)
+        if name and ".3.down_proj" in name:
+            out.codes[5, 7] ^= 0x08  # flip one exponent bit of one code
+        return out
+
+    monkeypatch.setattr(fp8, "repack", corrupt)
+    from vllm_moe_w8.moe_method import NumericsSelfCheckError
+
+    layer = make_layer(quant_config_for("block"), ckpt)
+    with pytest.raises(NumericsSelfCheckError, match=rf"layer {PREFIX}, expert 3 .*down_proj\[5, 7\]"):
+        load_layer(layer, ckpt)
+    layer = make_layer(quant_config_for("block"), ckpt, additional_config={"neuron_w8": {"self_check": False}})
+    load_layer(layer, ckpt)  # no check: loads (and would serve the corrupted value)
+
+
+def test_load_errors_name_the_tensor(ckpt):
+    layer = make_layer(quant_config_for("block"), ckpt)
+    p = layer.w13_weight
+    with pytest.raises(ValueError, match=rf"{PREFIX}\.2\.up_proj\.weight is torch.bfloat16"):
+        p.weight_loader(param=p, loaded_weight=torch.zeros(384, 256, dtype=torch.bfloat16), weight_name="w13_weight", shard_id="w3", expert_id=2)
+    s = layer.w2_weight_scale_inv
+    with pytest.raises(ValueError, match=rf"{PREFIX}\.1\.down_proj\.weight_scale_inv has shape \(3, 3\).*needs \(2, 3\)"):
+        s.weight_loader(param=s, loaded_weight=torch.ones(3, 3), weight_name="w2_weight_scale_inv", shard_id="w2", expert_id=1)
+
+
+def test_load_logs_start_and_summary(ckpt):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.neuron_w8")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        qc = quant_config_for("block")
+        layers = [make_layer(qc, ckpt) for _ in range(2)]
+        for layer in layers:
+            load_layer(layer, ckpt)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    text = [r.getMessage() for r in records]
+    start = [t for t in text if "loading routed experts" in t]
+    summary = [t for t in text if "processed 2 MoE layers" in t]
+    assert len(start) == 1 and "mode pow2" in start[0] and "compute path" in start[0] and "TP rank 0/1" in start[0] and "local experts 4 of 4" in start[0]
+    assert len(summary) == 1
+    for piece in ("expert bytes", "blocks shifted", "values rounded", "self-check passed"):
+        assert piece in summary[0]
