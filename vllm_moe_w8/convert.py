@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -84,13 +85,40 @@ def _write_config(src_cfg: dict, qc: dict) -> dict:
     return cfg
 
 
+def refined_block(block: tuple[int, int], inter: int, tp: int, ep: bool) -> tuple[int, int]:
+    """The scale tile the plugin uses on a rank (the rule of ``moe_method.rank_block``, DEVELOPING.md):
+    under TP without EP, a tile dimension that I/tp does not divide is refined to gcd(I/tp, tile)."""
+    if ep or tp <= 1:
+        return block
+    size = inter // tp
+    bn, bk = block
+    if bn > 1 and size % bn:
+        bn = math.gcd(size, bn)
+    if bk > 0 and size % bk:
+        bk = math.gcd(size, bk)
+    return bn, bk
+
+
+def regrid(scale, shape: tuple[int, int], src: tuple[int, int], dst: tuple[int, int]):
+    """A scale grid over ``src`` tiles as a grid over the finer ``dst`` tiles (each carries its parent's scale)."""
+    if src == dst:
+        return scale
+    grid = scale if scale.dim() == 2 else scale.unsqueeze(1)
+    if src[0] != dst[0]:
+        grid = grid.repeat_interleave(src[0] // dst[0], dim=0)[: math.ceil(shape[0] / dst[0])]
+    if src[1] and src[1] != dst[1]:
+        grid = grid.repeat_interleave(src[1] // dst[1], dim=1)[:, : math.ceil(shape[1] / dst[1])]
+    return grid.contiguous()
+
+
 class _ShardConverter:
     """Converts the tensors of one shard; expert weight/scale pairs may live in different shards."""
 
-    def __init__(self, ckpt: Checkpoint, mode: str):
+    def __init__(self, ckpt: Checkpoint, mode: str, tile: tuple[int, int]):
         self.ckpt = ckpt
         self.mode = mode
         self.fp8_block = tuple(ckpt.quant.block) if ckpt.quant.block else (128, 128)
+        self.tile = tile  # pow2/lut: the tile the plugin would repack per rank (refined under ragged TP)
         self.expert_blocks: set[tuple[int, int]] = set()
         self.stats = None
         self.repacked_weights = 0
@@ -114,8 +142,19 @@ class _ShardConverter:
         tensors = {}
         for n in (wname, sname):
             tensors[n] = f.get_tensor(n) if self.ckpt.tensors[n].file == fname else self.ckpt.load(n)
-        block = self.fp8_block if self.ckpt.quant.kind == "block" else "channel"
-        rep = fp8.repack(tensors[wname], tensors[sname], mode=self.mode, block=block, name=wname)
+        weight, scale = tensors[wname], tensors[sname]
+        try:
+            if self.ckpt.quant.kind != "block":
+                block = "channel"
+            elif self.mode != "output-block" and self.tile != self.fp8_block:
+                fp8.repack(weight, scale, mode="lut", block=self.fp8_block, name=wname)  # validates the source grid
+                shape = (weight.shape[0], weight.shape[1])
+                scale, block = regrid(scale, shape, self.fp8_block, self.tile), self.tile
+            else:
+                block = self.fp8_block
+            rep = fp8.repack(weight, scale, mode=self.mode, block=block, name=wname)
+        except ValueError as e:  # name the shard too: the codec only knows the tensor
+            raise CheckpointError(f"{self.ckpt.path / self.ckpt.tensors[wname].file}: {e}") from e
         cache[stem] = rep
         return rep
 
@@ -229,7 +268,15 @@ def convert_checkpoint(src, out, mode: str = "pow2", tp: int = 1, ep: bool = Fal
         prog = {"key": key, "done": {}}
     done: dict[str, dict] = prog["done"]
 
-    conv = _ShardConverter(ckpt, mode)
+    src_block = tuple(q.block) if q.block else (128, 128)
+    tile = refined_block(src_block, int(ckpt.text_config["moe_intermediate_size"]), tp, ep) if q.kind == "block" else src_block
+    if mode == "output-block" and tp > 1 and not ep:
+        warnings.append(
+            "output-block under TP without EP: the converted scales are per 128 rows of each whole tensor; converting at "
+            "load time would requantise each rank's slice on its own, so the two differ (both within output-block's error). "
+            "Use --ep for a bit-identical match"
+        )
+    conv = _ShardConverter(ckpt, mode, tile)
     weight_map: dict[str, str] = {}
     resumed = 0
     total_size = 0

@@ -173,6 +173,8 @@ def _parse_converted(cfg: dict) -> CheckpointFormat:
             raise UnsupportedCheckpoint(f"neuron-w8 quantization_config weight_block_size {list(block)}; expected {SUPPORTED_BLOCK}")
         src = CheckpointFormat("block", (128, 128), "weight_scale_inv", (128, 128), "weight_scale_inv")
     expert_block = (fp8.OUTPUT_BLOCK_ROWS, 0) if mode == "output-block" else src.expert_block
+    if cfg.get("expert_block_size"):  # written by `convert` (refined tile when converted for a ragged TP split)
+        expert_block = tuple(int(b) for b in cfg["expert_block_size"])
     return CheckpointFormat(
         kind="converted", linear_block=src.linear_block, linear_scale_suffix=src.linear_scale_suffix,
         expert_block=expert_block, expert_scale_suffix="weight_scale_inv",
