@@ -287,6 +287,8 @@ def linear_state_bytes_per_seq(s: ModelShape, tp: int, state_dtype_bytes: int) -
 def tp_advice(s: ModelShape, tp: int, ep: bool) -> tuple[list[str], list[str]]:
     """(warnings, errors) about splitting the experts over ``tp`` ranks."""
     warnings, errors = [], []
+    if tp < 1:
+        return warnings, [f"--tp must be >= 1, got {tp}"]
     i = s.moe_intermediate
     ok = [t for t in TP_CANDIDATES if i % t == 0 and (i // t) % BLOCK == 0]
     if ep:
