@@ -8,6 +8,7 @@ Signatures follow the current NKI API (``dst`` first, keyword-friendly).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from . import dtypes as dt
 from . import language as nl
@@ -99,6 +100,11 @@ def dma_copy(dst: Tensor, src: Tensor, **_ignored) -> None:
 
 # --- TensorE ----------------------------------------------------------------------------------------
 
+def _matmul_tn(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a.T @ b in float32 (torch's single-threaded GEMM: small tiles, shared cores; see runtime.run)."""
+    return (torch.from_numpy(np.ascontiguousarray(a)).T @ torch.from_numpy(np.ascontiguousarray(b))).numpy()
+
+
 def _matmul_dtypes(stationary: Tensor, moving: Tensor) -> None:
     for t, what in ((stationary, "stationary"), (moving, "moving")):
         if t.dtype is dt.float8_e4m3fn:
@@ -144,7 +150,7 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     _psum_dst(dst, "nc_matmul")
     if dst.shape != (m, n):
         raise NkiValidationError(f"nc_matmul dst {dst.name!r} shape {dst.shape} != stationary.T @ moving shape {(m, n)}")
-    result = read(stationary, "nc_matmul stationary").T @ read(moving, "nc_matmul moving")
+    result = _matmul_tn(read(stationary, "nc_matmul stationary"), read(moving, "nc_matmul moving"))
     if accumulate:
         if not dst.mm_init.all():
             raise NkiValidationError(

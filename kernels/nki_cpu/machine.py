@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -62,8 +61,11 @@ class _Allocation:
         self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if len(shape) > 1 else dtype.itemsize
         self.banks = math.ceil(self.row_bytes / PSUM_BANK_BYTES) if buffer == "psum" else 0
         self.base_ptr = 0
+        self.machine = machine
         machine.allocate(self, name)
-        weakref.finalize(self, machine.release, buffer, self.row_bytes, self.banks)
+
+    def __del__(self):
+        self.machine.release(self.buffer, self.row_bytes, self.banks)
 
 
 class Machine:
@@ -111,7 +113,7 @@ def current() -> Machine:
 class Tensor:
     """An NKI tensor: a view of HBM or of an on-chip tile (``.view(dtype)`` reinterprets bytes)."""
 
-    __slots__ = ("data", "written", "mm_init", "dtype", "buffer", "alloc", "name", "__weakref__")
+    __slots__ = ("data", "written", "mm_init", "dtype", "buffer", "alloc", "name")
 
     def __init__(self, data, written, dtype: dt.Dtype, buffer: str, alloc=None, name: str = "tensor", mm_init=None):
         self.data = data

@@ -1,0 +1,301 @@
+"""The CPU NKI interpreter: each Trn2 rule it enforces rejects a kernel that breaks it, correct kernels
+compute what numpy / ml_dtypes say, and the counters and cost model see what a kernel does."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from vllm_moe_w8.kernels import nki_api
+from vllm_moe_w8.kernels.nki_cpu import NkiValidationError, cost, run
+from vllm_moe_w8.kernels.nki_cpu import isa as nisa
+from vllm_moe_w8.kernels.nki_cpu import language as nl
+from vllm_moe_w8.kernels.nki_cpu import jit
+
+rng = np.random.default_rng(0)
+NONE = np.zeros(1, np.float32)  # an unused kernel argument
+
+
+def bf16(shape):
+    return rng.standard_normal(shape).astype(np.float32).astype(ml_dtypes.bfloat16)
+
+
+def fp8_codes(shape):
+    """Random finite Trn2 float8_e4m3 bytes (magnitude codes < 0x78)."""
+    mag = rng.integers(0, 0x78, size=shape, dtype=np.uint8)
+    return mag | (rng.integers(0, 2, size=shape, dtype=np.uint8) << 7)
+
+
+def matmul_kernel(st_dtype=nl.bfloat16, mv_dtype=nl.bfloat16, k=128, m=128, n=512, dst_buffer=nl.psum,
+                  dst_dtype=nl.float32, first_accumulate=False):
+    @jit
+    def kernel(a, b):
+        sa = nl.ndarray((k, m), dtype=st_dtype, buffer=nl.sbuf)
+        sb = nl.ndarray((k, n), dtype=mv_dtype, buffer=nl.sbuf)
+        nisa.memset(dst=sa, value=1.0)
+        nisa.memset(dst=sb, value=1.0)
+        rows = min(m, 128)  # an over-wide stationary must be caught by nc_matmul, not by this allocation
+        ps = nl.ndarray((rows, n), dtype=dst_dtype, buffer=dst_buffer)
+        nisa.nc_matmul(dst=ps, stationary=sa, moving=sb, accumulate=first_accumulate)
+        out = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.shared_hbm)
+        res = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=res, src=ps)
+        nisa.dma_copy(dst=out, src=res)
+        return out
+
+    return kernel
+
+
+def test_fp8_matmul_with_psum_accumulation_matches_numpy():
+    """bf16 stationary x fp8 (uint8 codes viewed in SBUF) moving, K = 256 in two accumulating matmuls."""
+    hidden_t = bf16((256, 64))
+    codes = fp8_codes((256, 512))
+
+    @jit
+    def kernel(x_t, w):
+        acc = nl.ndarray((64, 512), dtype=nl.float32, buffer=nl.psum)
+        for k in range(2):
+            xs = nl.ndarray((128, 64), dtype=nl.bfloat16, buffer=nl.sbuf)
+            ws = nl.ndarray((128, 512), dtype=nl.uint8, buffer=nl.sbuf)
+            nisa.dma_copy(dst=xs, src=x_t[k * 128:(k + 1) * 128, :])
+            nisa.dma_copy(dst=ws, src=w[k * 128:(k + 1) * 128, :])
+            nisa.nc_matmul(dst=acc, stationary=xs, moving=ws.view(nl.float8_e4m3), accumulate=(k > 0))
+        res = nl.ndarray((64, 512), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=res, src=acc)
+        out = nl.ndarray((64, 512), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=res)
+        return out
+
+    out, stats = run(kernel, hidden_t, codes)
+    x, w = hidden_t.astype(np.float64), codes.view(ml_dtypes.float8_e4m3).astype(np.float64)
+    expect, magnitude = x.T @ w, np.abs(x).T @ np.abs(w)
+    # bf16 x fp8 products are exact in fp32; summing K = 256 of them in fp32 errs by <= K * 2**-24 of their magnitudes
+    assert (np.abs(out - expect) <= 256 * 2.0**-24 * magnitude).all()
+    assert stats.matmuls[(128, 64, 512, "bfloat16", "float8_e4m3")] == 2
+    assert stats.hbm_read_bytes == hidden_t.nbytes + codes.nbytes
+    assert stats.hbm_write_bytes == out.nbytes
+    assert stats.peak_psum_banks == 1
+
+
+def test_engine_instructions_compute_in_fp32_and_cast():
+    data = rng.standard_normal((128, 256)).astype(np.float32)
+    scale = rng.standard_normal((128, 1)).astype(np.float32)
+
+    @jit
+    def kernel(x, s):
+        xs = nl.ndarray((128, 256), dtype=nl.float32, buffer=nl.sbuf)
+        ss = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=xs, src=x)
+        nisa.dma_copy(dst=ss, src=s)
+        act = nl.ndarray((128, 256), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=act, op=nl.silu, data=xs, scale=ss)
+        fused = nl.ndarray((128, 256), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=fused, data=xs, op0=nl.multiply, operand0=ss, op1=nl.add, operand1=act)
+        o1 = nl.ndarray((128, 256), dtype=nl.float32, buffer=nl.shared_hbm)
+        o2 = nl.ndarray((128, 256), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=o1, src=act)
+        nisa.dma_copy(dst=o2, src=fused)
+        return o1, o2
+
+    (o1, o2), stats = run(kernel, data, scale)
+    z = data * scale
+    silu = z / (1 + np.exp(-z))
+    np.testing.assert_allclose(o1, silu, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(o2, (z + silu).astype(ml_dtypes.bfloat16))
+    assert stats.engine_ops[("scalar", "activation", 128, 256)] == 1
+    assert stats.engine_ops[("vector", "scalar_tensor_tensor", 128, 256)] == 1
+
+
+# --- each Trn2 rule rejects a kernel that breaks it ----------------------------------------------------
+
+def _expect(kernel, match, *args):
+    with pytest.raises(NkiValidationError, match=match):
+        run(kernel, *(args or (np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32))))
+
+
+def test_rejects_partition_dim_over_128():
+    @jit
+    def kernel(a, b):
+        nl.ndarray((129, 4), dtype=nl.float32, buffer=nl.sbuf)
+
+    _expect(kernel, "partition dim")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(m=129), "stationary free size 129 > 128"),
+        (dict(n=513, dst_dtype=nl.float32), "moving free size 513 > 512|within one 2 KiB PSUM bank"),
+        (dict(dst_buffer=nl.sbuf), "needs it in psum"),
+        (dict(dst_dtype=nl.bfloat16), "float32 on NeuronCore-v3"),
+        (dict(st_dtype=nl.float8_e4m3fn), "float8_e4m3fn.*Trn3"),
+        (dict(mv_dtype=nl.float8_e4m3fn), "float8_e4m3fn.*Trn3"),
+        (dict(st_dtype=nl.float32), "pairs only with itself"),
+        (dict(first_accumulate=True), "no initialising matmul"),
+    ],
+)
+def test_rejects_illegal_matmuls(kwargs, match):
+    _expect(matmul_kernel(**kwargs), match)
+
+
+def test_accepts_legal_mixed_and_fp32_matmuls():
+    for st, mv in ((nl.bfloat16, nl.float8_e4m3), (nl.float8_e5m2, nl.bfloat16), (nl.float32, nl.float32)):
+        out, _ = run(matmul_kernel(st_dtype=st, mv_dtype=mv, k=64, m=32, n=16), NONE, NONE)
+        np.testing.assert_array_equal(out, np.full((32, 16), 64.0, np.float32))
+
+
+def test_rejects_unequal_partition_sizes():
+    @jit
+    def kernel(a, b):
+        sa = nl.ndarray((64, 32), dtype=nl.bfloat16, buffer=nl.sbuf)
+        sb = nl.ndarray((128, 32), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=sa, value=0.0)
+        nisa.memset(dst=sb, value=0.0)
+        ps = nl.ndarray((32, 32), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps, stationary=sa, moving=sb, accumulate=False)
+
+    _expect(kernel, "contraction .partition. sizes differ")
+
+
+def test_rejects_psum_over_eight_banks():
+    @jit
+    def kernel(a, b):
+        tiles = [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum) for _ in range(8)]  # 8 x 2 KiB: full
+        nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.psum)
+        return tiles
+
+    _expect(kernel, "PSUM overflow")
+
+
+def test_rejects_sbuf_over_224_kib_per_partition_and_frees_dead_tiles():
+    @jit
+    def fits(a, b):
+        for _ in range(4):  # each 100 KiB tile dies when the name is rebound
+            t = nl.ndarray((128, 100 * 1024), dtype=nl.uint8, buffer=nl.sbuf)
+        return None
+
+    _, stats = run(fits, NONE, NONE)
+    assert stats.peak_sbuf_bytes == 2 * 100 * 1024  # the new tile is allocated before the old one dies
+
+    @jit
+    def overflows(a, b):
+        keep = nl.ndarray((128, 200 * 1024), dtype=nl.uint8, buffer=nl.sbuf)
+        more = nl.ndarray((128, 25 * 1024), dtype=nl.uint8, buffer=nl.sbuf)
+        return keep, more
+
+    _expect(overflows, "SBUF overflow")
+
+
+def test_rejects_dma_dtype_mismatch_unless_viewed():
+    codes = fp8_codes((128, 64))
+
+    def make(view):
+        @jit
+        def kernel(w):
+            t = nl.ndarray((128, 64), dtype=nl.float8_e4m3, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t.view(nl.uint8) if view else t, src=w)
+            out = nl.ndarray((128, 64), dtype=nl.uint8, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=out, src=t.view(nl.uint8))
+            return out
+
+        return kernel
+
+    _expect(make(False), "dma_copy dtype mismatch", codes)
+    out, _ = run(make(True), codes)
+    np.testing.assert_array_equal(out, codes)
+
+
+def test_rejects_reading_never_written_memory():
+    @jit
+    def kernel(a, b):
+        t = nl.ndarray((128, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=t[:, 0:4], value=1.0)
+        u = nl.ndarray((128, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=u, src=t)
+
+    _expect(kernel, r"never-written memory: .* element \(0, 4\)")
+
+    @jit
+    def unwritten_output(a, b):
+        return nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+
+    _expect(unwritten_output, "kernel output")
+
+
+def test_rejects_two_psum_inputs_and_out_of_bounds_slices():
+    @jit
+    def kernel(a, b):
+        p1 = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.psum)
+        p2 = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.psum)
+        nisa.memset(dst=p1, value=0.0)
+        nisa.memset(dst=p2, value=0.0)
+        nisa.tensor_tensor(dst=p1, data1=p1, data2=p2, op=nl.add)
+
+    _expect(kernel, "cannot both be in PSUM")
+
+    @jit
+    def oob(a, b):
+        t = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.sbuf)
+        return t[:, 2:6]
+
+    _expect(oob, "out of bounds")
+
+
+# --- counters and cost model ----------------------------------------------------------------------------
+
+def test_cost_model_charges_each_engine_from_the_counters():
+    out, stats = run(matmul_kernel(k=128, m=128, n=512), NONE, NONE)
+    est = cost.estimate(stats)
+    assert stats.matmul_count == 1
+    assert est.tensor_s == pytest.approx(512 / cost.TENSOR_HZ)
+    # memset x2 on VectorE (512 and 128 free elements), tensor_copy of [128, 512]
+    assert est.vector_s == pytest.approx((512 + 128 + 512) / cost.VECTOR_HZ)
+    assert est.hbm_s == pytest.approx(out.nbytes / cost.HBM_BYTES_PER_S)
+    assert est.time_s == max(est.engines.values()) and est.serial_s == pytest.approx(sum(est.engines.values()))
+
+
+    @jit
+    def column_halves(a):
+        t = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=t, value=0.0)
+        out = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.shared_hbm)
+        for half in range(2):  # each row of each DMA is a 256 B run in HBM: charged as 512 B
+            nisa.dma_copy(dst=out[:, half * 64:(half + 1) * 64], src=t)
+        return out
+
+    out, short_runs = run(column_halves, NONE)
+    assert short_runs.dma_runs == {256: out.nbytes}
+    assert cost.hbm_seconds(short_runs) == pytest.approx(2 * out.nbytes / cost.HBM_BYTES_PER_S)
+
+
+# --- which NKI the kernels get -------------------------------------------------------------------------------
+
+def test_placeholder_nki_is_not_mistaken_for_the_real_one(monkeypatch):
+    placeholder = types.ModuleType("nki")
+    monkeypatch.setitem(sys.modules, "nki", placeholder)
+    monkeypatch.delenv("VLLM_MOE_W8_NKI", raising=False)
+    mod, reason = nki_api._real_nki()
+    assert mod is None and "nki" in reason
+
+    real = types.ModuleType("nki")
+    real.jit = lambda f: f
+    lang = types.ModuleType("nki.language")
+    lang.ndarray = object
+    isa_mod = types.ModuleType("nki.isa")
+    isa_mod.nc_matmul = object
+    real.language, real.isa = lang, isa_mod
+    monkeypatch.setitem(sys.modules, "nki", real)
+    monkeypatch.setitem(sys.modules, "nki.language", lang)
+    monkeypatch.setitem(sys.modules, "nki.isa", isa_mod)
+    assert nki_api._real_nki()[0] is real
+    monkeypatch.setenv("VLLM_MOE_W8_NKI", "interpreter")
+    assert nki_api._real_nki()[0] is None
+
+
+def test_the_backend_follows_detection():
+    real, reason = nki_api._real_nki()
+    assert nki_api.BACKEND == ("interpreter" if real is None else "nki"), reason
