@@ -158,6 +158,59 @@ def fused_moe_torch(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, b
 
 
 # ----------------------------------------------------------------------------------------------
+# The native kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def native_available() -> bool:
+    """Whether the native kernel builds and runs on this machine (built on first call)."""
+    from vllm_moe_w8 import cpu_moe_native
+
+    return cpu_moe_native.load() is not None
+
+
+def native_supports(h: int, inter: int, block_k: int) -> bool:
+    """Shapes the native kernel covers: H, I and the tile width multiples of 16 (every real model)."""
+    return h % 16 == 0 and inter % 16 == 0 and block_k % 16 == 0
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
+                     activation="silu", swiglu_limit=0.0) -> torch.Tensor:
+    """The native kernel (see module docstring); raises RuntimeError where it is unavailable."""
+    from vllm_moe_w8 import cpu_moe_native
+
+    t, h, inter, _ = check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
+    lib = cpu_moe_native.load()
+    if lib is None:
+        raise RuntimeError(f"native CPU MoE kernel unavailable: {cpu_moe_native.unavailable_reason()}")
+    if not native_supports(h, inter, block_k):
+        raise RuntimeError(f"native CPU MoE kernel needs H, I and block_k multiples of 16 (H={h}, I={inter}, block_k={block_k})")
+    experts, counts, tokens, weights = group_by_expert(topk_ids, topk_weights)
+    out = torch.zeros(t, h, dtype=torch.float32)
+    if experts.numel() == 0:
+        return out.to(x.dtype)
+    offsets = torch.zeros(experts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    xf = x.float().contiguous()
+    w13c, w2c = w13.contiguous(), w2.contiguous()
+    s13, s2 = w13_scales.float().contiguous(), w2_scales.float().contiguous()
+    experts, tokens, weights = experts.contiguous(), tokens.contiguous(), weights.contiguous()
+    scratch = torch.empty(tokens.numel(), inter, dtype=torch.float32)
+    rc = lib.moe_w8_forward(
+        _ptr(xf), h, inter, _ptr(w13c), _ptr(s13), _ptr(w2c), _ptr(s2),
+        experts.numel(), _ptr(experts), _ptr(offsets), _ptr(tokens), _ptr(weights),
+        block_n, block_k, float(swiglu_limit), torch.get_num_threads(), _ptr(scratch), _ptr(out),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native CPU MoE kernel rejected its arguments (code {rc})")
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
 # Dispatch
 # ----------------------------------------------------------------------------------------------
 
@@ -165,11 +218,17 @@ def fused_moe_torch(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, b
 def fused_moe_cpu(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
                   activation="silu", swiglu_limit=0.0) -> torch.Tensor:
     """The MoE op on CPU (see module docstring); returns [T, H] in ``x.dtype``."""
-    _log_once("torch", "neuron-w8 CPU MoE: torch implementation (exact, dequantises each routed expert per call)")
-    return fused_moe_torch(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
-                           activation, swiglu_limit)
+    args = (x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation, swiglu_limit)
+    if native_available():
+        if native_supports(x.shape[-1], w2.shape[-1], block_k):
+            _log_once("native", "neuron-w8 CPU MoE: native kernel (1-byte experts decoded in cache-sized panels, fp32 FMA, %d threads)",
+                      torch.get_num_threads())
+            return fused_moe_native(*args)
+        _log_once("native-shape", "neuron-w8 CPU MoE: shapes H=%d I=%d block_k=%d not covered by the native kernel; torch implementation",
+                  x.shape[-1], w2.shape[-1], block_k, level=logging.WARNING)
+    else:
+        from vllm_moe_w8 import cpu_moe_native
 
-
-def native_available() -> bool:
-    """Whether the native kernel can run here (not built yet in this revision)."""
-    return False
+        _log_once("torch", "neuron-w8 CPU MoE: torch implementation (exact, dequantises each routed expert per call); native kernel unavailable: %s",
+                  cpu_moe_native.unavailable_reason(), level=logging.WARNING)
+    return fused_moe_torch(*args)
