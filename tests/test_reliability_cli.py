@@ -85,13 +85,7 @@ def broken(base, tmp_path_factory):
     return out
 
 
-SCAN_MISSES_SCALES = pytest.mark.xfail(
-    strict=True, reason="inspect --scan histograms codes and finds NaN codes but does not check scale values "
-    "(zero/negative/NaN/inf): cli engineer, check scales in inspect_ckpt's scan")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=SCAN_MISSES_SCALES) if c.startswith("scale_") and c in DATA_CASES else c
-                                  for c in FILE_CASES])
+@pytest.mark.parametrize("case", FILE_CASES)
 def test_inspect_names_file_and_tensor(broken, case):
     path, shard, what = broken[case]
     argv = ["inspect", path, "--quiet"] + (["--scan"] if case in DATA_CASES else [])
@@ -144,19 +138,10 @@ CONFIG_CASES = {  # case: word the message must contain
     "unknown_quant_method": "mystery-fp4",
     "unsupported_architecture": "MixtralForCausalLM",
 }
-STATIC_ACCEPTED = pytest.mark.xfail(
-    strict=True, reason="checkpoint.quant_format/convert accept activation_scheme 'static' (the plugin refuses it): "
-    "inspect reports OK and convert writes a checkpoint the plugin cannot load")
-UNKNOWN_METHOD_OK = pytest.mark.xfail(
-    strict=True, reason="inspect reports 'unknown quantization (mystery-fp4)' but exits 0 with OK; it should be an "
-    "error naming config.json (neuron-w8 cannot serve it)")
 
 
-def _cases(marks: dict) -> list:
-    return [pytest.param(c, marks=marks[c]) if c in marks else c for c in CONFIG_CASES]
 
-
-@pytest.mark.parametrize("case", _cases({"static_activations": STATIC_ACCEPTED}))
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
 def test_convert_refuses_unsupported_settings(base, tmp_path, case):
     path = _config_case(base, tmp_path, case)
     rc, text = run_cli("convert", path, tmp_path / "out", "--quiet")
@@ -166,7 +151,7 @@ def test_convert_refuses_unsupported_settings(base, tmp_path, case):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case", _cases({"static_activations": STATIC_ACCEPTED, "unknown_quant_method": UNKNOWN_METHOD_OK}))
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
 def test_inspect_flags_unsupported_settings(base, tmp_path, case):
     path = _config_case(base, tmp_path, case)
     rc, text = run_cli("inspect", path, "--quiet")
@@ -189,8 +174,6 @@ def test_plan_and_convert_refuse_unsplittable_tp(base, tmp_path, argv, word):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="plan/convert do not check attention heads against TP: 4 heads over TP=3 "
-                   "passes, vLLM refuses it at start-up ('heads must be divisible by tensor parallel size')")
 def test_plan_refuses_tp_that_does_not_divide_attention_heads(base):
     rc, text = run_cli("plan", base, "--tp", "3")
     assert rc == 1 and "heads" in text, text

@@ -377,9 +377,36 @@ class Checkpoint:
         return out
 
 
+def unsupported_settings(config: dict) -> list[str]:
+    """quantization_config settings neuron-w8 cannot serve (the plugin refuses them at start-up too)."""
+    qc = quantization_config(config) or {}
+    q = quant_format(config)
+    where = "config.json quantization_config"
+    out = []
+    if q.kind == "unknown":
+        out.append(f"{where}: quant_method {qc.get('quant_method')!r} ({q.method}) is not one neuron-w8 serves; "
+                   "it serves block FP8 (quant_method 'fp8' with weight_block_size), compressed-tensors per-channel FP8, "
+                   "or a `vllm-moe-w8 convert` output")
+    if q.kind == "block" and q.method == "fp8":
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            out.append(f"{where}: activation_scheme {scheme!r}: neuron-w8 supports 'dynamic' activations only "
+                       "(weights FP8, activations stay in the model dtype)")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            out.append(f"{where}: fmt {qc.get('fmt')!r}: neuron-w8 supports 'e4m3' (OCP E4M3FN) weights")
+    if q.kind == "per-channel":
+        for group in (qc.get("config_groups") or {}).values():
+            act = (group or {}).get("input_activations") or {}
+            if act and not act.get("dynamic", True):
+                out.append(f"{where}: compressed-tensors input_activations are static (dynamic: false); neuron-w8 "
+                           "supports dynamic or absent input activations only")
+    return out
+
+
 def validate_experts(ckpt: Checkpoint) -> list[str]:
     """Problems with the routed-expert tensors, each naming the file and tensor."""
-    problems: list[str] = []
+    problems: list[str] = [f"{ckpt.path / 'config.json'}: {p.split(': ', 1)[1]}" if p.startswith("config.json") else p
+                           for p in unsupported_settings(ckpt.config)]
     q = ckpt.quant
     arch = ckpt.architecture
     if arch not in SUPPORTED_ARCHITECTURES:

@@ -154,6 +154,17 @@ def scan_experts(ckpt: Checkpoint, progress: bool = True) -> dict[str, Any]:
         with safe_open(str(ckpt.path / fname), framework="pt") as f:
             for en, info in group:
                 codes = f.get_tensor(en.name).view(torch.uint8)
+                scale_info = ckpt.scale_for(en)
+                if scale_info is not None:
+                    sc = (f.get_tensor(scale_info.name) if scale_info.file == fname else ckpt.load(scale_info.name)).float()
+                    bad = ~torch.isfinite(sc) | (sc <= 0)
+                    if bool(bad.any()):
+                        idx = tuple(int(i) for i in bad.nonzero()[0])
+                        errors.append(
+                            f"{ckpt.path / scale_info.file}: tensor '{scale_info.name}' has {int(bad.sum())} non-finite or "
+                            f"non-positive scale(s), first at {idx} = {float(sc[idx])}; a dequantisation scale must be a finite "
+                            "positive number: re-export or re-download the checkpoint"
+                        )
                 mag = codes & 0x7F
                 layer = per_layer.setdefault(en.layer_key, {"tiles": 0, "tiles_shifted": 0, "fn_only_codes": Counter(), "nan_codes": 0, "values": 0})
                 hist = torch.bincount(mag.flatten().long(), minlength=128)

@@ -289,6 +289,17 @@ def tp_advice(s: ModelShape, tp: int, ep: bool) -> tuple[list[str], list[str]]:
     warnings, errors = [], []
     if tp < 1:
         return warnings, [f"--tp must be >= 1, got {tp}"]
+    a = s.attention
+    heads = a.get("heads") or 0
+    if heads and heads % tp:
+        errors.append(f"num_attention_heads {heads} is not divisible by TP={tp} (vLLM refuses it): choose TP among "
+                      f"{[t for t in TP_CANDIDATES if heads % t == 0]}")
+    kv = a.get("kv_heads") or 0
+    if kv and (kv % tp if kv >= tp else tp % kv):
+        errors.append(f"num_key_value_heads {kv} and TP={tp}: vLLM needs one to divide the other")
+    lin = a.get("linear")
+    if lin and (lin["value_heads"] % tp or lin["key_heads"] % tp):
+        errors.append(f"linear-attention heads ({lin['key_heads']} key, {lin['value_heads']} value) are not divisible by TP={tp}")
     i = s.moe_intermediate
     ok = [t for t in TP_CANDIDATES if i % t == 0 and (i // t) % BLOCK == 0]
     if ep:
