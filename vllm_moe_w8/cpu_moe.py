@@ -20,6 +20,7 @@ The implementation that ran is logged once per process.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 
@@ -79,9 +80,12 @@ def check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={t}, k]")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    return t, h, inter, e
+
+
+def check_ids(topk_ids: torch.Tensor, e: int) -> None:
     if topk_ids.numel() and int(topk_ids.max()) >= e:
         raise ValueError(f"topk_ids holds expert id {int(topk_ids.max())} but only {e} local experts exist (ids must be local; -1 = not on this rank)")
-    return t, h, inter, e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,7 +142,8 @@ def _activate(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float) -> torc
 def fused_moe_torch(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
                     activation="silu", swiglu_limit=0.0) -> torch.Tensor:
     """Pure-torch exact implementation: each routed expert dequantised once per call, fp32 matmuls."""
-    t, h, inter, _ = check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
+    t, h, inter, e = check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
+    check_ids(topk_ids, e)
     g_i = math.ceil(inter / block_n)
     out = torch.zeros(t, h, dtype=torch.float32)
     experts, counts, tokens, weights = group_by_expert(topk_ids, topk_weights)
@@ -189,22 +194,23 @@ def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, 
         raise RuntimeError(f"native CPU MoE kernel unavailable: {cpu_moe_native.unavailable_reason()}")
     if not native_supports(h, inter, block_k):
         raise RuntimeError(f"native CPU MoE kernel needs H, I and block_k multiples of 16 (H={h}, I={inter}, block_k={block_k})")
-    experts, counts, tokens, weights = group_by_expert(topk_ids, topk_weights)
     out = torch.zeros(t, h, dtype=torch.float32)
-    if experts.numel() == 0:
+    if t == 0:
         return out.to(x.dtype)
-    offsets = torch.zeros(experts.numel() + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=offsets[1:])
     xf = x.float().contiguous()
+    ids = topk_ids.contiguous()
+    wts = topk_weights.float().contiguous()
     w13c, w2c = w13.contiguous(), w2.contiguous()
     s13, s2 = w13_scales.float().contiguous(), w2_scales.float().contiguous()
-    experts, tokens, weights = experts.contiguous(), tokens.contiguous(), weights.contiguous()
-    scratch = torch.empty(tokens.numel(), inter, dtype=torch.float32)
+    scratch = torch.empty(ids.numel(), inter, dtype=torch.float32)
+    bad = ctypes.c_int64(0)
     rc = lib.moe_w8_forward(
-        _ptr(xf), h, inter, _ptr(w13c), _ptr(s13), _ptr(w2c), _ptr(s2),
-        experts.numel(), _ptr(experts), _ptr(offsets), _ptr(tokens), _ptr(weights),
-        block_n, block_k, float(swiglu_limit), torch.get_num_threads(), _ptr(scratch), _ptr(out),
+        _ptr(xf), t, h, inter, w13.shape[0], _ptr(w13c), _ptr(s13), _ptr(w2c), _ptr(s2),
+        _ptr(ids), int(ids.dtype == torch.int32), _ptr(wts), ids.shape[1],
+        block_n, block_k, float(swiglu_limit), torch.get_num_threads(), _ptr(scratch), _ptr(out), ctypes.byref(bad),
     )
+    if rc == 2:
+        raise ValueError(f"topk_ids holds expert id {bad.value} but only {w13.shape[0]} local experts exist (ids must be local; -1 = not on this rank)")
     if rc != 0:
         raise RuntimeError(f"native CPU MoE kernel rejected its arguments (code {rc})")
     return out.to(x.dtype)

@@ -102,16 +102,15 @@ def load():
     except Exception as exc:  # compiler missing, build error, load error: fall back, say why
         _reason = f"{type(exc).__name__}: {exc}"
         return None
-    i64, f32p, u8p, i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p
+    i64, u8p = ctypes.c_int64, ctypes.c_void_p
     fn = lib.moe_w8_forward
     fn.restype = ctypes.c_int
     fn.argtypes = [
-        ctypes.c_void_p, i64, i64,  # x, H, I
+        ctypes.c_void_p, i64, i64, i64, i64,  # x, T, H, I, E
         u8p, ctypes.c_void_p, u8p, ctypes.c_void_p,  # w13, w13_s, w2, w2_s
-        i64, i64p, i64p, i64p, ctypes.c_void_p,  # n_active, experts, offsets, pair_tokens, pair_weights
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, i64,  # topk_ids, ids_are_int32, topk_weights, k
         i64, i64, ctypes.c_float, ctypes.c_int,  # bn, bk, swiglu_limit, nthreads
-        ctypes.c_void_p, ctypes.c_void_p,  # h scratch, out
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),  # h scratch, out, bad_id
     ]
-    del f32p
     _lib = lib
     return _lib

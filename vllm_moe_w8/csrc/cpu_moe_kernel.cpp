@@ -12,7 +12,7 @@
 //   (repack and the checkpoint reader guarantee it): e4m3's inf/NaN codes and e4m3fn's NaN code are not
 //   special-cased here.
 //
-// Algorithm: tokens are grouped by expert (pairs sorted by expert, done by the caller).
+// Algorithm: the (token, slot) pairs are grouped by expert with a stable counting sort.
 //   phase 1: work item = (expert, chunk of intermediate rows): decode a few gate (then up) rows into an
 //            L1-resident float32 panel, multiply with every token routed to the expert, then SiLU(gate)*up
 //            into h[pair, i].
@@ -205,29 +205,58 @@ inline float silu_mul(float g, float u, float limit) {
 
 extern "C" {
 
-// Returns 0 on success. All float tensors are float32, contiguous.
-//   x [T, H]; w13 [E, 2I, H] codes, w13_s [E, 2*gI, gH]; w2 [E, H, I] codes, w2_s [E, gH2, gI2]
-//   experts [n_active], offsets [n_active + 1] into the expert-sorted pairs, pair_tokens [P], pair_weights [P]
-//   h: scratch [P, I]; out: [T, H], zero on entry, accumulated.
-int moe_w8_forward(const float* x, int64_t H, int64_t I,
+// Returns 0 on success, 1 for unsupported shapes, 2 (and *bad_id) for an expert id >= E.
+//   x [T, H] float32; topk_ids [T, k] (int32 if ids_are_int32 else int64, < 0: not on this rank);
+//   topk_weights [T, k] float32; w13 [E, 2I, H] codes, w13_s [E, 2*gI, gH]; w2 [E, H, I] codes,
+//   w2_s [E, gH2, gI2]; h: scratch [T*k, I]; out: [T, H] float32, zero on entry, accumulated.
+int moe_w8_forward(const float* x, int64_t T, int64_t H, int64_t I, int64_t E,
                    const uint8_t* w13, const float* w13_s, const uint8_t* w2, const float* w2_s,
-                   int64_t n_active, const int64_t* experts, const int64_t* offsets,
-                   const int64_t* pair_tokens, const float* pair_weights,
-                   int64_t bn, int64_t bk, float swiglu_limit, int nthreads, float* h, float* out) {
+                   const void* topk_ids, int ids_are_int32, const float* topk_weights, int64_t K_top,
+                   int64_t bn, int64_t bk, float swiglu_limit, int nthreads, float* h, float* out,
+                   int64_t* bad_id) {
   if (H % 16 || I % 16 || (bk && bk % 16)) return 1;
   const int64_t gI = (I + bn - 1) / bn;
   const int64_t gH = bk ? (H + bk - 1) / bk : 1;
   const int64_t gH2 = (H + bn - 1) / bn;
   const int64_t gI2 = bk ? (I + bk - 1) / bk : 1;
-  const int64_t P = offsets[n_active];
-  if (P == 0) return 0;
   const int nt = std::max(1, nthreads);
 
+  // Group the (token, slot) pairs by expert: a stable counting sort (token order kept per expert).
+  const int64_t n_pairs = T * K_top;
+  auto id_at = [&](int64_t p) -> int64_t {
+    return ids_are_int32 ? static_cast<const int32_t*>(topk_ids)[p] : static_cast<const int64_t*>(topk_ids)[p];
+  };
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t p = 0; p < n_pairs; ++p) {
+    const int64_t e = id_at(p);
+    if (e >= E) { *bad_id = e; return 2; }
+    if (e >= 0) ++count[e];
+  }
+  std::vector<int64_t> experts, offsets{0}, start(E, 0);
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e]) {
+      start[e] = offsets.back();
+      experts.push_back(e);
+      offsets.push_back(offsets.back() + count[e]);
+    }
+  const int64_t n_active = static_cast<int64_t>(experts.size());
+  const int64_t P = offsets.back();
+  if (P == 0) return 0;
+  std::vector<int64_t> pair_token_v(P);
+  std::vector<float> pair_weight_v(P);
+  for (int64_t p = 0; p < n_pairs; ++p) {
+    const int64_t e = id_at(p);
+    if (e < 0) continue;
+    const int64_t q = start[e]++;
+    pair_token_v[q] = p / K_top;
+    pair_weight_v[q] = topk_weights[p];
+  }
+  const int64_t* pair_tokens = pair_token_v.data();
+  const float* pair_weights = pair_weight_v.data();
+
   // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p).
-  const int64_t tokens_per_expert = std::max<int64_t>(1, P / std::max<int64_t>(1, n_active));
   int64_t chunk1 = 64;
   while (chunk1 > kPanelRows * 2 && n_active * ((I + chunk1 - 1) / chunk1) < 4 * nt) chunk1 /= 2;
-  (void)tokens_per_expert;
   const int64_t chunks1 = (I + chunk1 - 1) / chunk1;
   const int64_t items1 = n_active * chunks1;
 #pragma omp parallel num_threads(nt)
