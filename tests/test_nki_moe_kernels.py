@@ -1,0 +1,217 @@
+"""The NKI MoE kernels, executed by the CPU interpreter (or AWS's nki.simulate where real NKI exists),
+against the fp32 reference MoE on the same repacked uint8 experts.
+
+Shapes are the real per-rank ones: Qwen3.5-35B-A3B (H 2048, I 512, 32 local experts) and GLM-5.3-Flash
+(H 4096, I 2048). To keep the file within its CPU budget the GLM-width cases use 4 local experts (pow2)
+and 2 (output-block), and the output-block Qwen cases use 8: output-block repacking of random weights
+is the slow part, not the kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_moe_w8 import fp8
+from vllm_moe_w8.kernels import host, launch
+from vllm_moe_w8.kernels.moe_w8 import T_MAX, moe_w8_output_block, moe_w8_pow2
+from vllm_moe_w8.kernels.nki_api import BACKEND
+from vllm_moe_w8.moe_reference import activate, dequantize_expert, dequantize_w13, reference_moe
+
+# The kernel's only rounding beyond fp32 accumulation: the activation SiLU(g)*u*affinity is rounded to
+# bf16 (unit roundoff 2**-9) before the down projection, so |kernel - reference| <= 2**-9 * sum_j |W2[h, j]| |act_j|.
+ACT_BF16_ROUNDOFF = 2.0**-9
+# Slack over that bound for fp32 accumulation (<= 4096 terms, relative 2**-24 each) and fp32 SiLU/scales.
+BOUND_SLACK = 1.5
+ABS_FLOOR = 1e-6  # outputs that cancel to ~0 in fp32
+
+QWEN = dict(H=2048, I=512)
+GLM = dict(H=4096, I=2048)
+
+
+def checkpoint_experts(num_experts: int, hidden: int, inter: int, seed: int):
+    """Random FP8 checkpoint-like experts: weights quantised per 128x128 block with amax / 448 (E4M3FN)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def quantise(rows, cols):
+        w = torch.randn(num_experts, rows, cols, generator=gen) * 0.02
+        tiles = w.reshape(num_experts, rows // 128, 128, cols // 128, 128)
+        scale = tiles.abs().amax(dim=(2, 4)) / fp8.E4M3FN_MAX
+        codes = (tiles / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).reshape(num_experts, rows, cols)
+        return codes, scale
+
+    return quantise(2 * inter, hidden), quantise(hidden, inter)  # (gate|up rows, scales), (down, scales)
+
+
+def repacked(ckpt, mode: str):
+    """The op's storage: per-expert fp8.repack of gate, up (stacked as w13) and down."""
+    (c13, s13), (c2, s2) = ckpt
+    inter = c13.shape[1] // 2
+    g = inter // 128
+    w13, sc13, w2, sc2 = [], [], [], []
+    for e in range(c13.shape[0]):
+        gate = fp8.repack(c13[e, :inter], s13[e, :g], mode=mode)
+        up = fp8.repack(c13[e, inter:], s13[e, g:], mode=mode)
+        down = fp8.repack(c2[e], s2[e], mode=mode)
+        w13.append(torch.cat([gate.codes, up.codes]))
+        sc13.append(torch.cat([gate.scale_grid, up.scale_grid]))
+        w2.append(down.codes)
+        sc2.append(down.scale_grid)
+    block = gate.block
+    return torch.stack(w13), torch.stack(sc13), torch.stack(w2), torch.stack(sc2), block
+
+
+def routing(tokens: int, num_experts: int, top_k: int, seed: int):
+    """Top-k routing with a token routed to no local expert and a duplicate route."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts * 2, generator=gen)[:top_k] for _ in range(tokens)])
+    ids = torch.where(ids < num_experts, ids, -1)  # about half the routes go to other ranks
+    ids[0, 0] = 0  # token 0 has a local expert (the only token when tokens == 1)
+    if tokens > 2:
+        ids[1, :2] = 1  # token 1: the same local expert twice
+        ids[-1] = -1  # the last token: no local expert at all
+    weights = torch.rand(tokens, top_k, generator=gen)
+    return weights / weights.sum(dim=1, keepdim=True), ids
+
+
+def error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block) -> torch.Tensor:
+    """sum_e aff[t, e] * |act_e(x_t)| @ |W2_e|.T: what the bf16 rounding of the activation can move."""
+    aff = host.dense_affinities(topk_weights, topk_ids, w13.shape[0])
+    out = torch.zeros(x.shape[0], w2.shape[1])
+    xf = x.float()
+    for e in range(w13.shape[0]):
+        rows = aff[:, e].nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        gate, up = dequantize_w13(w13, s13, e, block, "e4m3")
+        down = dequantize_expert(w2[e], s2[e], block, "e4m3")
+        act = activate(xf[rows] @ gate.T, xf[rows] @ up.T) * aff[rows, e:e + 1]
+        out[rows] += act.abs() @ down.abs().T
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen_ckpt():
+    return checkpoint_experts(32, QWEN["H"], QWEN["I"], seed=1)
+
+
+@pytest.fixture(scope="module")
+def glm_ckpt():
+    return checkpoint_experts(4, GLM["H"], GLM["I"], seed=2)
+
+
+def _slice_experts(ckpt, n):
+    (c13, s13), (c2, s2) = ckpt
+    return (c13[:n], s13[:n]), (c2[:n], s2[:n])
+
+
+def check_kernel(ckpt, mode, tokens, top_k, seed):
+    w13, s13, w2, s2, block = repacked(ckpt, mode)
+    num_experts, hidden = w13.shape[0], w2.shape[1]
+    x = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))).to(torch.bfloat16)
+    topk_weights, topk_ids = routing(tokens, num_experts, top_k, seed)
+    kw = host.to_kernel_layout(w13, s13, w2, s2, block[0], block[1], "e4m3")
+    assert kw.mode == mode
+    stats = []
+    out = launch.simulate_moe(x, topk_weights, topk_ids, kw, stats)
+    ref = reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3")
+    bound = BOUND_SLACK * ACT_BF16_ROUNDOFF * error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block) + ABS_FLOOR
+    err = (out - ref).abs()
+    assert out.shape == (tokens, hidden) and out.dtype == torch.float32
+    assert bool((err <= bound).all()), f"max err/bound {float((err / bound).max()):.3f}"
+    assert float((out - ref).norm() / ref.norm()) < 4 * ACT_BF16_ROUNDOFF
+    unrouted = (topk_ids < 0).all(dim=1)
+    assert bool((out[unrouted] == 0).all()), "a token routed to no local expert must get exactly 0"
+    if BACKEND == "interpreter":
+        # every weight byte crosses HBM exactly once per kernel call (dense over local experts)
+        weight_bytes = kw.w13.numel() + kw.w2.numel() + 4 * (kw.w13_scales.numel() + kw.w2_scales.numel())
+        for (start, stop, bucket), st in zip(host.chunks(tokens), stats):
+            io = bucket * hidden * 2 + bucket * num_experts * 4
+            assert st.hbm_read_bytes == weight_bytes + io
+            assert st.hbm_write_bytes == bucket * hidden * 4
+            assert st.peak_psum_banks <= 8 and st.peak_sbuf_bytes <= 224 * 1024
+    return stats
+
+
+@pytest.mark.parametrize("tokens", [1, 200])  # 200: two token tiles of the 256 bucket, 56 padded rows
+def test_pow2_qwen35_shape(qwen_ckpt, tokens):
+    check_kernel(qwen_ckpt, "pow2", tokens, top_k=8, seed=tokens)
+
+
+@pytest.mark.parametrize("tokens", [7, 128])
+def test_output_block_qwen35_width(qwen_ckpt, tokens):
+    check_kernel(_slice_experts(qwen_ckpt, 8), "output-block", tokens, top_k=4, seed=tokens)
+
+
+def test_pow2_glm_shape(glm_ckpt):
+    check_kernel(glm_ckpt, "pow2", 24, top_k=3, seed=5)
+
+
+def test_output_block_glm_shape(glm_ckpt):
+    check_kernel(_slice_experts(glm_ckpt, 2), "output-block", 64, top_k=2, seed=6)
+
+
+# --- contract checks on entry -------------------------------------------------------------------------------
+
+def _small_args(mode="pow2", tokens=16, experts=2, hidden=256, inter=128):
+    w13 = np.zeros((experts, 128, hidden // 128, 2 * inter), np.uint8)
+    w2 = np.zeros((experts, 128, inter // 128, hidden), np.uint8)
+    g13 = hidden // 128 if mode == "pow2" else 1
+    g2 = inter // 128 if mode == "pow2" else 1
+    s13 = np.ones((experts, 2 * inter // 128, g13), np.float32)
+    s2 = np.ones((experts, hidden // 128, g2), np.float32)
+    x = launch.bf16_numpy(torch.zeros(tokens, hidden, dtype=torch.bfloat16))
+    aff = np.zeros((tokens, experts), np.float32)
+    return [x, w13, s13, w2, s2, aff]
+
+
+def _run(kernel, args):
+    if BACKEND == "interpreter":
+        from vllm_moe_w8.kernels.nki_cpu import run
+
+        return run(kernel, *args)[0]
+    from vllm_moe_w8.kernels.nki_api import simulate
+
+    return simulate(kernel)(*args)
+
+
+def test_output_block_kernel_refuses_block_scales():
+    args = _small_args("pow2")  # 128x128 block-scale grids
+    with pytest.raises(ValueError, match="block-scale grid.*moe_w8_pow2"):
+        _run(moe_w8_output_block, args)
+    assert np.array_equal(_run(moe_w8_output_block, _small_args("output-block")), np.zeros((16, 256), np.float32))
+
+
+def test_pow2_kernel_refuses_output_block_scales_and_bad_shapes():
+    with pytest.raises(ValueError, match="w13_scales has shape"):
+        _run(moe_w8_pow2, _small_args("output-block"))
+    args = _small_args(tokens=T_MAX + 128)
+    with pytest.raises(ValueError, match="T=384 tokens"):
+        _run(moe_w8_pow2, args)
+    args = _small_args()
+    args[3] = args[3][:, :, :, :128]
+    with pytest.raises(ValueError, match="w2 has shape"):
+        _run(moe_w8_pow2, args)
+    args = _small_args()
+    args[0] = args[0].astype(np.float32)
+    with pytest.raises(ValueError, match="hidden has dtype"):
+        _run(moe_w8_pow2, args)
+
+
+def test_host_layout_buckets_and_affinities():
+    with pytest.raises(ValueError, match="lut"):
+        host.kernel_mode(128, 128, "e4m3fn")
+    with pytest.raises(ValueError, match="per-channel"):
+        host.kernel_mode(1, 0, "e4m3")
+    assert [host.bucket_for(t) for t in (1, 16, 17, 128, 129, 256)] == [16, 16, 32, 128, 256, 256]
+    assert host.chunks(600) == [(0, 256, 256), (256, 512, 256), (512, 600, 128)]
+    ids = torch.tensor([[0, 0], [-1, 1], [-1, -1]])
+    w = torch.tensor([[0.25, 0.5], [0.3, 0.7], [0.1, 0.9]])
+    assert torch.equal(host.dense_affinities(w, ids, 2), torch.tensor([[0.75, 0.0], [0.0, 0.7], [0.0, 0.0]]))
+    w13 = torch.randint(0, 255, (2, 256, 384), dtype=torch.uint8)
+    w2 = torch.randint(0, 255, (2, 384, 128), dtype=torch.uint8)
+    kw = host.to_kernel_layout(w13, torch.ones(2, 2, 3), w2, torch.ones(2, 3, 1), 128, 128, "e4m3")
+    e, p, k, n = 1, 5, 2, 200
+    assert kw.w13[e, p, k, n] == w13[e, n, k * 128 + p]
+    assert kw.w2[e, p, 0, 300] == w2[e, 300, p]
