@@ -1,0 +1,99 @@
+"""The NKI MoE kernels as the CPU interpreter counts them, with the cost model's NeuronCore-v3 time.
+
+Per kernel (pow2, output-block) and token bucket T: HBM bytes moved vs the ideal (each local expert's
+weight bytes read once), matmul count, the modelled time per engine and overall, the HBM roofline of
+one physical core, and the reference implementation's measured per-call times on trn2
+(dstair/neuron-pytorch-native, docs/TRN2_NKI.md; E=32, H=2048, I=512, TP=8/LNC=1). The counts do not
+depend on the weight values, so the experts are random valid Trn2 float8_e4m3 codes.
+
+    .venv/bin/python benchmarks/bench_nki_kernels.py            # Qwen3.5-35B-A3B rank shape, T 16..256
+    .venv/bin/python benchmarks/bench_nki_kernels.py --quick    # fewer buckets
+Writes benchmarks/results/bench_nki_kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import print_table, write_json  # noqa: E402
+from vllm_moe_w8.kernels import host, launch  # noqa: E402
+from vllm_moe_w8.kernels.nki_cpu import cost, run  # noqa: E402
+
+# Measured per-call times of the reference implementation on trn2 (docs/TRN2_NKI.md), E=32 H=2048 I=512.
+REFERENCE_MS = {("output-block", 32): 3.4, ("output-block", 64): 3.6, ("output-block", 128): 2.0, ("pow2", 128): 4.0}
+BYTES_TARGET = 1.05  # bytes moved within 5 % of the ideal
+
+
+def random_experts(num_experts: int, hidden: int, inter: int, mode: str, seed: int = 0) -> host.KernelWeights:
+    gen = torch.Generator().manual_seed(seed)
+
+    def codes(*shape):  # finite float8_e4m3 bytes: magnitude < 0x78, any sign
+        return torch.randint(0, 0x78, shape, generator=gen, dtype=torch.uint8) | (torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8) << 7)
+
+    g13, g2 = (hidden // 128, inter // 128) if mode == "pow2" else (1, 1)
+    block = (128, 128) if mode == "pow2" else (128, 0)
+    w13, w2 = codes(num_experts, 2 * inter, hidden), codes(num_experts, hidden, inter)
+    s13 = torch.rand(num_experts, 2 * inter // 128, g13, generator=gen) + 0.5
+    s2 = torch.rand(num_experts, hidden // 128, g2, generator=gen) + 0.5
+    return host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+
+
+def measure(kw: host.KernelWeights, tokens: int) -> dict:
+    hidden, num_experts = kw.hidden_size, kw.num_experts
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    aff = torch.rand(tokens, num_experts)
+    t0 = time.perf_counter()
+    _, stats = run(launch.KERNELS[kw.mode], *launch.kernel_args(x, aff, kw))
+    wall = time.perf_counter() - t0
+    est = cost.estimate(stats)
+    ideal = kw.w13.numel() + kw.w2.numel()  # each local expert's FP8 weight bytes, once
+    moved = stats.hbm_read_bytes + stats.hbm_write_bytes
+    roofline = ideal / cost.HBM_BYTES_PER_S
+    flops = 2 * tokens * ideal  # one multiply-add per weight per token (dense over local experts)
+    return {
+        "kernel": kw.mode, "E": num_experts, "H": hidden, "I": kw.w2.shape[2] * 128, "T": tokens,
+        "ideal_MB": ideal / 1e6, "moved_MB": moved / 1e6, "moved/ideal": moved / ideal,
+        "matmuls": stats.matmul_count, "transposes": sum(stats.transposes.values()),
+        "hbm_ms": est.hbm_s * 1e3, "tensor_ms": est.tensor_s * 1e3, "vector_ms": est.vector_s * 1e3,
+        "scalar_ms": est.scalar_s * 1e3, "gpsimd_ms": est.gpsimd_s * 1e3,
+        "model_ms": est.time_s * 1e3, "serial_ms": est.serial_s * 1e3, "bound": est.bound_by,
+        "roofline_ms": roofline * 1e3, "model/roofline": est.time_s / roofline,
+        "ref_trn2_ms": REFERENCE_MS.get((kw.mode, tokens)), "model_TFLOPs": flops / est.time_s / 1e12,
+        "sbuf_KiB": stats.peak_sbuf_bytes / 1024, "psum_banks": stats.peak_psum_banks, "interp_s": wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=512)
+    ap.add_argument("--tokens", type=int, nargs="*", default=list(host.T_BUCKETS))
+    ap.add_argument("--quick", action="store_true", help="T in {32, 128} only")
+    args = ap.parse_args()
+    tokens = [32, 128] if args.quick else args.tokens
+    rows = []
+    for mode in ("output-block", "pow2"):
+        kw = random_experts(args.experts, args.hidden, args.inter, mode)
+        for t in tokens:
+            rows.append(measure(kw, t))
+            r = rows[-1]
+            print(f"  {mode:12s} T={t:4d}: model {r['model_ms']:.3f} ms ({r['bound']}-bound), moved/ideal {r['moved/ideal']:.4f}", flush=True)
+    cols = ["kernel", "T", "moved/ideal", "matmuls", "hbm_ms", "tensor_ms", "vector_ms", "scalar_ms", "gpsimd_ms",
+            "model_ms", "bound", "roofline_ms", "model/roofline", "ref_trn2_ms", "sbuf_KiB", "psum_banks"]
+    print(f"\nE={args.experts} H={args.hidden} I={args.inter}; one NeuronCore-v3 (cost model: kernels/nki_cpu/cost.py)")
+    print_table(rows, cols)
+    worst = max(r["moved/ideal"] for r in rows)
+    print(f"\nbytes moved / ideal: worst {worst:.4f} (target <= {BYTES_TARGET}): {'OK' if worst <= BYTES_TARGET else 'MISSED'}")
+    write_json("bench_nki_kernels", {"shape": vars(args), "rows": rows, "assumptions": cost.__doc__,
+                                     "reference_trn2_ms_source": "docs/TRN2_NKI.md (dstair/neuron-pytorch-native)"})
+
+
+if __name__ == "__main__":
+    main()
