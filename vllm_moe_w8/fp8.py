@@ -212,6 +212,13 @@ def _check_scales(scale: torch.Tensor, shape, block, name) -> torch.Tensor:
             f"scale{_where(name)} has {int(bad.sum())} non-finite or non-positive value(s), first at {idx} = {float(s[idx])}; "
             "a dequantisation scale must be a finite positive number (is the checkpoint corrupt?)"
         )
+    huge = ~torch.isfinite(s * E4M3FN_MAX)
+    if bool(huge.any()):
+        idx = tuple(int(i) for i in huge.nonzero()[0])
+        raise ValueError(
+            f"scale{_where(name)} at {idx} = {float(s[idx])} is so large that its weights overflow float32 "
+            f"(|w| up to {E4M3FN_MAX:g} x scale); the checkpoint is corrupt: re-export or re-download it"
+        )
     return s
 
 
