@@ -51,3 +51,16 @@ def test_refuses_what_the_kernels_do_not_implement():
         neuron_binding.fused_moe_neuron(*args, "e4m3", "silu", 7.0)
     with pytest.raises(ValueError, match="lut"):
         neuron_binding.fused_moe_neuron(*args, "e4m3fn")
+
+
+def test_hardware_script_refuses_to_run_without_a_device():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if neuron_binding.available()[0]:
+        pytest.skip("a Neuron device is present: the script would run for real")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "trn2_hardware_run.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "refusing to run" in proc.stderr and "NKI unavailable" in proc.stdout
