@@ -25,7 +25,7 @@ def kernel_args(hidden: torch.Tensor, affinities: torch.Tensor, kw: host.KernelW
 
 
 def simulate_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights,
-                 stats: list | None = None, kernel=None) -> torch.Tensor:
+                 stats: list | None = None, kernel=None, swiglu_limit: float = 0.0) -> torch.Tensor:
     """Routed sum [T, H] fp32 computed by the kernel for ``kw.mode`` (or ``kernel``), bucketed like the binding.
 
     With the interpreter, each call's :class:`nki_cpu.Stats` is appended to ``stats`` when given."""
@@ -33,7 +33,7 @@ def simulate_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     aff = host.dense_affinities(topk_weights, topk_ids, kw.num_experts)
 
     def launch(hidden, aff_chunk):
-        args = kernel_args(hidden, aff_chunk, kw)
+        args = kernel_args(hidden, aff_chunk, kw) + (float(swiglu_limit),)
         if BACKEND == "interpreter":
             from .nki_cpu import run
 

@@ -19,6 +19,8 @@ Shape contract (checked on entry, ``ValueError`` naming the tensor otherwise), P
     w2_scales   [E, H/P, G2]         float32  pow2: G2 = I/P; output-block: G2 = 1
     affinities  [T, E]               float32  routing weight of token t for local expert e, 0 if not routed
                                               (duplicate routes summed)
+    swiglu_limit  float (trace-time constant, default 0): > 0 clamps gate <= limit and |up| <= limit
+                                              before SiLU(gate) * up (GLM-5.3-Flash)
     returns     [T, H]               float32  sum_e affinities[t, e] * W2_e (SiLU(W1_e x_t) * W3_e x_t)
 
 H and I are any multiples of 128. Codes are the op's storage (DEVELOPING.md) re-laid out once at load
@@ -97,19 +99,22 @@ def check_contract(hidden, w13, w13_scales, w2, w2_scales, affinities, mode: str
 
 
 @nki.jit
-def moe_w8_pow2(hidden, w13, w13_scales, w2, w2_scales, affinities):
+def moe_w8_pow2(hidden, w13, w13_scales, w2, w2_scales, affinities, swiglu_limit=0.0):
     """Routed MoE over local experts with exact 128x128 block scales (pow2 repack)."""
-    return _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, POW2)
+    return _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, POW2, float(swiglu_limit))
 
 
 @nki.jit
-def moe_w8_output_block(hidden, w13, w13_scales, w2, w2_scales, affinities):
+def moe_w8_output_block(hidden, w13, w13_scales, w2, w2_scales, affinities, swiglu_limit=0.0):
     """Routed MoE over local experts with one scale per 128 output rows (output-block repack)."""
-    return _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, OUTPUT_BLOCK)
+    return _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, OUTPUT_BLOCK, float(swiglu_limit))
 
 
-def _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, mode):
+def _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, mode, swiglu_limit):
     s = check_contract(hidden, w13, w13_scales, w2, w2_scales, affinities, mode)
+    if swiglu_limit < 0:
+        _fail(f"swiglu_limit must be >= 0 (0: no clamp), got {swiglu_limit}")
+    s["limit"] = swiglu_limit
     out = nl.ndarray((s["T"], s["H"]), dtype=nl.float32, buffer=nl.shared_hbm)
     ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
@@ -205,20 +210,37 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, s, mode):
             gate = _contract(h_t, cols, w_gate, s["gH"], sc13, gate_col, mode, tt_rows, w)
             up = _contract(h_t, cols, w_up, s["gH"], sc13, up_col, mode, tt_rows, w)
             silu = nl.ndarray((tt_rows, w), dtype=nl.float32, buffer=nl.sbuf)
+            limit = s["limit"]
             if mode == OUTPUT_BLOCK:
                 for nb in range(w // P):
                     blk = slice(nb * P, (nb + 1) * P)
                     c = gate_col(nb, 0)
-                    nisa.activation(dst=silu[:, blk], op=nl.silu, data=gate[:, blk], scale=sc13[:, c:c + 1])
+                    if limit > 0:  # SiLU(min(gate, limit)): scale and clamp on VectorE, then SiLU
+                        nisa.tensor_scalar(dst=silu[:, blk], data=gate[:, blk], op0=nl.multiply, operand0=sc13[:, c:c + 1],
+                                           op1=nl.minimum, operand1=limit)
+                        nisa.activation(dst=silu[:, blk], op=nl.silu, data=silu[:, blk])
+                    else:
+                        nisa.activation(dst=silu[:, blk], op=nl.silu, data=gate[:, blk], scale=sc13[:, c:c + 1])
             else:
+                if limit > 0:
+                    nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
+                    nisa.tensor_scalar(dst=up, data=up, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
                 nisa.activation(dst=silu, op=nl.silu, data=gate)
             nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=aff[:, tt, e:e + 1], engine=nisa.engine.gpsimd)
             if mode == OUTPUT_BLOCK:
                 for nb in range(w // P):
                     blk = slice(nb * P, (nb + 1) * P)
                     c = up_col(nb, 0)
-                    nisa.scalar_tensor_tensor(dst=act[:, tt, c0 + nb * P:c0 + (nb + 1) * P], data=up[:, blk], op0=nl.multiply,
-                                              operand0=sc13[:, c:c + 1], op1=nl.multiply, operand1=silu[:, blk])
+                    dst = act[:, tt, c0 + nb * P:c0 + (nb + 1) * P]
+                    if limit > 0:  # clamp(up * scale, -limit, limit) * silu
+                        up_c = nl.ndarray((tt_rows, P), dtype=nl.float32, buffer=nl.sbuf)
+                        nisa.tensor_scalar(dst=up_c, data=up[:, blk], op0=nl.multiply, operand0=sc13[:, c:c + 1],
+                                           op1=nl.maximum, operand1=-limit)
+                        nisa.scalar_tensor_tensor(dst=dst, data=up_c, op0=nl.minimum, operand0=limit, op1=nl.multiply,
+                                                  operand1=silu[:, blk])
+                    else:
+                        nisa.scalar_tensor_tensor(dst=dst, data=up[:, blk], op0=nl.multiply, operand0=sc13[:, c:c + 1],
+                                                  op1=nl.multiply, operand1=silu[:, blk])
             else:
                 nisa.tensor_tensor(dst=act[:, tt, c0:c0 + w], data1=up, data2=silu, op=nl.multiply)
 

@@ -47,8 +47,10 @@ def test_refuses_what_the_kernels_do_not_implement():
     x = torch.zeros(2, 128)
     args = (x, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, 256, 128, dtype=torch.uint8),
             torch.ones(1, 2, 1), torch.zeros(1, 128, 128, dtype=torch.uint8), torch.ones(1, 1, 1), 128, 128)
-    with pytest.raises(NotImplementedError, match="swiglu_limit"):
-        neuron_binding.fused_moe_neuron(*args, "e4m3", "silu", 7.0)
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        neuron_binding.fused_moe_neuron(*args, "e4m3", "silu", -1.0)
+    with pytest.raises(ValueError, match="activation"):
+        neuron_binding.fused_moe_neuron(*args, "e4m3", "gelu")
     with pytest.raises(ValueError, match="lut"):
         neuron_binding.fused_moe_neuron(*args, "e4m3fn")
 

@@ -75,7 +75,7 @@ def routing(tokens: int, num_experts: int, top_k: int, seed: int):
     return weights / weights.sum(dim=1, keepdim=True), ids
 
 
-def error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block) -> torch.Tensor:
+def error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block, swiglu_limit=0.0) -> torch.Tensor:
     """sum_e aff[t, e] * |act_e(x_t)| @ |W2_e|.T: what the bf16 rounding of the activation can move."""
     aff = host.dense_affinities(topk_weights, topk_ids, w13.shape[0])
     out = torch.zeros(x.shape[0], w2.shape[1])
@@ -86,7 +86,7 @@ def error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block) -> torch.Ten
             continue
         gate, up = dequantize_w13(w13, s13, e, block, "e4m3")
         down = dequantize_expert(w2[e], s2[e], block, "e4m3")
-        act = activate(xf[rows] @ gate.T, xf[rows] @ up.T) * aff[rows, e:e + 1]
+        act = activate(xf[rows] @ gate.T, xf[rows] @ up.T, swiglu_limit=swiglu_limit) * aff[rows, e:e + 1]
         out[rows] += act.abs() @ down.abs().T
     return out
 
@@ -106,7 +106,7 @@ def _slice_experts(ckpt, n):
     return (c13[:n], s13[:n]), (c2[:n], s2[:n])
 
 
-def check_kernel(ckpt, mode, tokens, top_k, seed):
+def check_kernel(ckpt, mode, tokens, top_k, seed, swiglu_limit=0.0):
     w13, s13, w2, s2, block = repacked(ckpt, mode)
     num_experts, hidden = w13.shape[0], w2.shape[1]
     x = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))).to(torch.bfloat16)
@@ -114,9 +114,11 @@ def check_kernel(ckpt, mode, tokens, top_k, seed):
     kw = host.to_kernel_layout(w13, s13, w2, s2, block[0], block[1], "e4m3")
     assert kw.mode == mode
     stats = []
-    out = launch.simulate_moe(x, topk_weights, topk_ids, kw, stats)
-    ref = reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3")
-    bound = BOUND_SLACK * ACT_BF16_ROUNDOFF * error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block) + ABS_FLOOR
+    out = launch.simulate_moe(x, topk_weights, topk_ids, kw, stats, swiglu_limit=swiglu_limit)
+    ref = reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3", swiglu_limit=swiglu_limit)
+    if swiglu_limit > 0:  # the clamp must bite, or this case tests nothing
+        assert not torch.equal(ref, reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3"))
+    bound = ABS_FLOOR + BOUND_SLACK * ACT_BF16_ROUNDOFF * error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block, swiglu_limit)
     err = (out - ref).abs()
     assert out.shape == (tokens, hidden) and out.dtype == torch.float32
     assert bool((err <= bound).all()), f"max err/bound {float((err / bound).max()):.3f}"
@@ -144,12 +146,17 @@ def test_output_block_qwen35_width(qwen_ckpt, tokens):
     check_kernel(_slice_experts(qwen_ckpt, 8), "output-block", tokens, top_k=4, seed=tokens)
 
 
+# GLM-5.3-Flash clamps SwiGLU at 10; these random weights give |gate|, |up| ~ 1, so a limit of 0.5 makes
+# the clamp act on both sides.
+GLM_TEST_SWIGLU_LIMIT = 0.5
+
+
 def test_pow2_glm_shape(glm_ckpt):
-    check_kernel(glm_ckpt, "pow2", 24, top_k=3, seed=5)
+    check_kernel(glm_ckpt, "pow2", 24, top_k=3, seed=5, swiglu_limit=GLM_TEST_SWIGLU_LIMIT)
 
 
 def test_output_block_glm_shape(glm_ckpt):
-    check_kernel(_slice_experts(glm_ckpt, 2), "output-block", 64, top_k=2, seed=6)
+    check_kernel(_slice_experts(glm_ckpt, 2), "output-block", 64, top_k=2, seed=6, swiglu_limit=GLM_TEST_SWIGLU_LIMIT)
 
 
 # --- contract checks on entry -------------------------------------------------------------------------------

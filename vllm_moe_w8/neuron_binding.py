@@ -82,8 +82,8 @@ def _registered_ops() -> dict:
         name = "moe_w8::nki_routed_" + mode.replace("-", "_")
 
         def call(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tensor,
-                 w2_scales: torch.Tensor, affinities: torch.Tensor, _kernel=kernel) -> torch.Tensor:
-            return _kernel(hidden, w13, w13_scales, w2, w2_scales, affinities)
+                 w2_scales: torch.Tensor, affinities: torch.Tensor, swiglu_limit: float, _kernel=kernel) -> torch.Tensor:
+            return _kernel(hidden, w13, w13_scales, w2, w2_scales, affinities, swiglu_limit)
 
         op = factory(name, mutates_args=())(call)
         if hasattr(op, "register_fake"):
@@ -116,13 +116,11 @@ def fused_moe_neuron(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, 
     """``moe_w8::fused_moe`` on a Neuron device: bucketed calls of the pow2 / output-block NKI kernel."""
     if activation != "silu":
         raise ValueError(f"neuron_binding: activation {activation!r} has no NKI kernel (only 'silu')")
-    if swiglu_limit > 0:
-        raise NotImplementedError(
-            f"neuron_binding: swiglu_limit={swiglu_limit} (clamped SwiGLU, GLM-5.3-Flash) is not implemented in the NKI "
-            "kernels yet; serve this model with the torch path (tensors on CPU)"
-        )
+    if swiglu_limit < 0:
+        raise ValueError(f"neuron_binding: swiglu_limit must be >= 0, got {swiglu_limit}")
     kw = prepare_weights(w13, w13_scales, w2, w2_scales, block_n, block_k, code_format)
     op = _registered_ops()[kw.mode]
     aff = dense_affinities(topk_weights, topk_ids, kw.num_experts)
-    out = host.run_chunked(lambda hidden, a: op(hidden, kw.w13, kw.w13_scales, kw.w2, kw.w2_scales, a), x, aff)
+    limit = float(swiglu_limit)
+    out = host.run_chunked(lambda hidden, a: op(hidden, kw.w13, kw.w13_scales, kw.w2, kw.w2_scales, a, limit), x, aff)
     return out.to(x.dtype)
