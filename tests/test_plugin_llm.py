@@ -1,0 +1,83 @@
+"""A real ``LLM(...)`` on vLLM's CPU build with a tiny FP8 checkpoint (``tiny_models``), in subprocesses
+(vLLM's engine processes are cleaner to judge from outside):
+
+* ``quantization="NEURON-W8"`` (vLLM lower-cases it) with vLLM's default ``torch.compile``;
+* no ``quantization`` at all, claimed by the opt-in ``VLLM_MOE_W8_AUTO=1``, ``enforce_eager=True``,
+  mode chosen by ``--additional-config``-style ``additional_config={"neuron_w8": {"mode": "output-block"}}``.
+
+Each run must generate, with finite logprobs, and log the load line and the summary line. Accuracy
+against the exactly dequantised BF16 twin is gated per architecture in the end-to-end model tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+RUNNER = textwrap.dedent(
+    """
+    import json, math, sys
+    if __name__ == "__main__":
+        args = json.loads(sys.argv[1])
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=args["model"], max_model_len=256, gpu_memory_utilization=0.05, dtype="bfloat16", **args["llm"])
+        outs = llm.generate(["Hello, world! How are", "The quick brown fox"],
+                            SamplingParams(max_tokens=6, temperature=0, logprobs=1))
+        result = []
+        for o in outs:
+            c = o.outputs[0]
+            lps = [next(iter(d.values())).logprob for d in c.logprobs]
+            result.append({"tokens": list(c.token_ids), "finite": all(math.isfinite(v) for v in lps)})
+        print("RESULT " + json.dumps(result), flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from vllm_moe_w8 import tiny_models
+
+    return str(tiny_models.write_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3-moe-fp8", "qwen3-moe", fmt="block"))
+
+
+def _run_llm(tmp_path, model: str, llm_kwargs: dict, env_extra: dict) -> tuple[list, str]:
+    script = tmp_path / "run_llm.py"
+    script.write_text(RUNNER)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **env_extra)
+    proc = subprocess.run([sys.executable, str(script), json.dumps({"model": model, "llm": llm_kwargs})],
+                          capture_output=True, text=True, timeout=900, env=env)
+    log = proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"no result (exit {proc.returncode}):\n{log[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):]), log
+
+
+def _check(result, log, mode, source):
+    assert len(result) == 2
+    for r in result:
+        assert len(r["tokens"]) == 6 and r["finite"]
+    start = [line for line in log.splitlines() if "neuron-w8: loading routed experts" in line]
+    assert start, log[-4000:]
+    assert f"mode {mode} ({source})" in start[0] and "compute path" in start[0] and "local experts 8 of 8" in start[0]
+    summary = [line for line in log.splitlines() if "neuron-w8: processed 2 MoE layers" in line]
+    assert summary and "expert bytes" in summary[0] and "self-check passed" in summary[0]
+
+
+def test_llm_with_flag_upper_case_and_torch_compile(checkpoint, tmp_path):
+    result, log = _run_llm(tmp_path, checkpoint, {"quantization": "NEURON-W8"}, {"VLLM_MOE_W8_AUTO": "0"})
+    _check(result, log, "pow2", "default")
+    assert "enforce_eager=False" in log or "Enforce eager set" not in log
+
+
+def test_llm_auto_claim_eager_with_additional_config_mode(checkpoint, tmp_path):
+    kwargs = {"enforce_eager": True, "additional_config": {"neuron_w8": {"mode": "output-block"}}}
+    result, log = _run_llm(tmp_path, checkpoint, kwargs, {"VLLM_MOE_W8_AUTO": "1"})
+    _check(result, log, "output-block", "additional_config neuron_w8.mode")
+    assert "claiming the fp8 checkpoint automatically" in log
