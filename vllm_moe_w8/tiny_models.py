@@ -332,6 +332,13 @@ def _qwen3_5_vision(p: Plan, s: TinySizes) -> dict:
     return vc
 
 
+def _mark_zero_centered_norms(p: Plan) -> None:
+    """Qwen3.5's decoder, final and q/k norms are GemmaRMSNorm (scale 1 + w); the GDN output norm is not."""
+    for name, _, kind in p.tensors:
+        if kind == "norm" and "visual" not in name and "linear_attn.norm" not in name:
+            p.init[name] = "zero_centered_norm"
+
+
 def _qwen3_5_layer_types(s: TinySizes) -> list[str]:
     return ["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(s.num_hidden_layers)]
 
@@ -342,6 +349,7 @@ def _qwen3_5_moe(s: TinySizes, v: dict):
     vision = _qwen3_5_vision(p, s)
     _embed_and_head(p, "model.language_model", s)
     _qwen3_5_text_layers(p, "model.language_model", s, layer_types)
+    _mark_zero_centered_norms(p)
     config = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
         "model_type": "qwen3_5_moe",
@@ -362,6 +370,7 @@ def _qwen3_5_moe_text(s: TinySizes, v: dict):
     layer_types = _qwen3_5_layer_types(s)
     _embed_and_head(p, "model.language_model", s)
     _qwen3_5_text_layers(p, "model.language_model", s, layer_types)
+    _mark_zero_centered_norms(p)
     config = _qwen3_5_text_config(s, v, layer_types)
     config = {"architectures": ["Qwen3_5MoeForCausalLM"], **config}
     return p, config, None
@@ -425,11 +434,100 @@ def _glm4_moe(s: TinySizes, v: dict):
     return p, config, None
 
 
+# ---- GLM-5 (GlmMoeDsaForCausalLM: DeepSeek-V3.2 MLA + DSA indexer, sigmoid routing) ---------
+
+# vLLM's MLA backends accept latent head sizes (kv_lora_rank + qk_rope_head_dim) of 320, 512 or 576
+# (GLM-5: 512 + 64); 256 + 64 = 320 is the smallest. index_topk 64: prompts up to 64 tokens attend densely.
+GLM5_MLA = {"q_lora_rank": 256, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
+            "v_head_dim": 64, "index_n_heads": 4, "index_head_dim": 128, "index_topk": 64}
+
+
+def _mla_attention(p: Plan, pre: str, s: TinySizes, m: dict, indexer: bool) -> None:
+    h, nh = s.hidden_size, s.num_attention_heads
+    qk_head = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    p.add(f"{pre}.q_a_proj.weight", (m["q_lora_rank"], h), "fp8")
+    p.add(f"{pre}.q_a_layernorm.weight", (m["q_lora_rank"],), "norm")
+    p.add(f"{pre}.q_b_proj.weight", (nh * qk_head, m["q_lora_rank"]), "fp8")
+    p.add(f"{pre}.kv_a_proj_with_mqa.weight", (m["kv_lora_rank"] + m["qk_rope_head_dim"], h), "fp8")
+    p.add(f"{pre}.kv_a_layernorm.weight", (m["kv_lora_rank"],), "norm")
+    p.add(f"{pre}.kv_b_proj.weight", (nh * (m["qk_nope_head_dim"] + m["v_head_dim"]), m["kv_lora_rank"]), "fp8")
+    p.add(f"{pre}.o_proj.weight", (h, nh * m["v_head_dim"]), "fp8")
+    if indexer:
+        ip = f"{pre}.indexer"
+        p.add(f"{ip}.wq_b.weight", (m["index_n_heads"] * m["index_head_dim"], m["q_lora_rank"]), "fp8")
+        p.add(f"{ip}.wk.weight", (m["index_head_dim"], h), "fp8")
+        p.add(f"{ip}.k_norm.weight", (m["index_head_dim"],), "norm")
+        p.add(f"{ip}.k_norm.bias", (m["index_head_dim"],), "bf16")
+        p.add(f"{ip}.weights_proj.weight", (m["index_n_heads"], h), "linear")
+
+
+def _glm_moe_block(p: Plan, pre: str, s: TinySizes) -> None:
+    p.add(f"{pre}.mlp.gate.weight", (s.num_experts, s.hidden_size), "linear")
+    p.add(f"{pre}.mlp.gate.e_score_correction_bias", (s.num_experts,), "fp32", init="small")
+    p.experts(f"{pre}.mlp", s)
+    p.mlp(f"{pre}.mlp.shared_experts", s.hidden_size, s.moe_intermediate_size)
+
+
+def _glm_moe_dsa(s: TinySizes, v: dict):
+    p = Plan()
+    _embed_and_head(p, "model", s)
+    first_dense = 1
+    for L in range(s.num_hidden_layers):
+        pre = f"model.layers.{L}"
+        _layer_norms(p, pre, s.hidden_size)
+        _mla_attention(p, f"{pre}.self_attn", s, GLM5_MLA, indexer=True)
+        if L < first_dense:
+            p.mlp(f"{pre}.mlp", s.hidden_size, s.intermediate_size)
+        else:
+            _glm_moe_block(p, pre, s)
+    config = {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": v["bos"],
+        "eos_token_id": v["eos"],
+        "pad_token_id": v["pad"],
+        "first_k_dense_replace": first_dense,
+        "hidden_act": "silu",
+        "hidden_size": s.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": s.intermediate_size,
+        **GLM5_MLA,
+        "indexer_types": ["full"] * s.num_hidden_layers,
+        "layer_types": ["indexed_attention"] * s.num_hidden_layers,
+        "mlp_layer_types": ["dense" if L < first_dense else "sparse" for L in range(s.num_hidden_layers)],
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": s.moe_intermediate_size,
+        "n_group": 1,
+        "n_routed_experts": s.num_experts,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": s.num_attention_heads,
+        "num_experts_per_tok": s.num_experts_per_tok,
+        "num_hidden_layers": s.num_hidden_layers,
+        "num_key_value_heads": s.num_attention_heads,
+        "num_nextn_predict_layers": 0,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": s.vocab_size,
+    }
+    return p, config, None
+
+
 FAMILIES = {
     "qwen3_moe": _qwen3_moe,
     "qwen3_5_moe": _qwen3_5_moe,
     "qwen3_5_moe_text": _qwen3_5_moe_text,
     "glm4_moe": _glm4_moe,
+    "glm_moe_dsa": _glm_moe_dsa,
 }
 
 
@@ -572,6 +670,8 @@ def write_tokenizer(path: str | Path, vocab_size: int = TOKENIZER_VOCAB) -> dict
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], kind: str, init: str | None, gen: torch.Generator) -> torch.Tensor:
+    if init == "zero_centered_norm":  # Gemma-style RMSNorm: the layer multiplies by (1 + weight)
+        return 0.1 * torch.randn(shape, generator=gen)
     if kind == "norm":
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
     if init == "ones":
