@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,6 +34,7 @@ SERVED_NAME = "tiny-qwen3.5-moe-fp8"
 HEALTH_POLL_S = 1.0
 STOP_GRACE_S = 20.0
 SUMMARY_KEY = "neuron-w8"
+SUMMARY_RE = re.compile(r"\] neuron-w8[: ]")
 
 
 def default_dir() -> Path:
@@ -123,7 +125,8 @@ def summary_lines(log_path: Path) -> list[str]:
         text = log_path.read_text(errors="replace")
     except OSError:
         return []
-    return [l.strip() for l in text.splitlines() if SUMMARY_KEY in l]
+    # the plugin's own log records: "<prefix> [module.py:N] neuron-w8..." (not vLLM's echo of the arguments)
+    return [l.strip() for l in text.splitlines() if SUMMARY_RE.search(l)]
 
 
 def chat(port: int, prompt: str, max_tokens: int) -> str:
