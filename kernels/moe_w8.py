@@ -141,7 +141,7 @@ def _load_tokens(hidden, affinities, s):
         nisa.dma_copy(dst=aff[:, tt, :], src=affinities[rows, :])
         nisa.memset(dst=acc[:, tt, :], value=0.0)
         for k in range(s["gH"]):
-            x_t = nl.ndarray((P, tt_rows), dtype=nl.float32, buffer=nl.psum)
+            x_t = nl.ndarray((P, tt_rows), dtype=nl.bfloat16, buffer=nl.psum)  # transposes keep the dtype
             nisa.nc_transpose(dst=x_t, data=x[:, k * P:(k + 1) * P])
             nisa.tensor_copy(dst=h_t[:, k, rows], src=x_t)
     return h_t, aff, acc
@@ -249,7 +249,7 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, s, mode):
     for tt in range(n_tt):
         cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
         for k in range(gi):
-            ps = nl.ndarray((P, tt_rows), dtype=nl.float32, buffer=nl.psum)
+            ps = nl.ndarray((P, tt_rows), dtype=nl.bfloat16, buffer=nl.psum)
             nisa.nc_transpose(dst=ps, data=act[:, tt, k * P:(k + 1) * P])
             nisa.tensor_copy(dst=act_t[:, k, cols], src=ps, engine=nisa.engine.scalar)
 

@@ -161,6 +161,30 @@ def test_rejects_unequal_partition_sizes():
     _expect(kernel, "contraction .partition. sizes differ")
 
 
+def test_transpose_keeps_the_dtype_and_is_exact():
+    data = bf16((64, 128))
+
+    def make(dst_dtype):
+        @jit
+        def kernel(x):
+            t = nl.ndarray((64, 128), dtype=nl.bfloat16, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=x)
+            ps = nl.ndarray((128, 64), dtype=dst_dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=ps, data=t)
+            res = nl.ndarray((128, 64), dtype=nl.bfloat16, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=res, src=ps)
+            out = nl.ndarray((128, 64), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=out, src=res)
+            return out
+
+        return kernel
+
+    out, stats = run(make(nl.bfloat16), data)
+    np.testing.assert_array_equal(out, data.T)
+    assert stats.transposes[(64, 128, "bfloat16")] == 1
+    _expect(make(nl.float32), "must have the input's data type", data)
+
+
 def test_rejects_psum_over_eight_banks():
     @jit
     def kernel(a, b):

@@ -162,14 +162,23 @@ def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_one
     current().stats.matmuls[(k, m, n, stationary.dtype.name, moving.dtype.name)] += 1
 
 
-def nc_transpose(dst: Tensor, data: Tensor, engine=engine.tensor, name=None) -> None:  # noqa: A002
-    """dst[F, P] = data[P, F].T on TensorE (a matmul against the identity into PSUM)."""
+def nc_transpose(dst: Tensor, data: Tensor, engine=engine.unknown, name=None) -> None:  # noqa: A002
+    """dst[F, P] = data[P, F].T on TensorE (a matmul against the identity, SBUF -> PSUM, bit-accurate on
+    NeuronCore-v3); dst has data's dtype. The VectorE variant (32x32 blocks) is not modelled."""
+    if engine not in (globals()["engine"].unknown, globals()["engine"].tensor):
+        raise NkiValidationError(f"nc_transpose on engine {engine!r} is not modelled; use the Tensor Engine")
     _need(data, "nc_transpose data", ("sbuf",))
     if data.ndim != 2 or data.shape[1] > STATIONARY_FMAX:
         raise NkiValidationError(f"nc_transpose data {data.name!r} must be 2-D with free size <= 128, got {data.shape}")
     if data.dtype is dt.float8_e4m3fn:
         raise NkiValidationError("nc_transpose of float8_e4m3fn is not supported on Trn2")
-    _psum_dst(dst, "nc_transpose")
+    _need(dst, "nc_transpose dst", ("psum",))
+    if dst.dtype is not data.dtype:
+        raise NkiValidationError(f"nc_transpose dst {dst.name!r} is {dst.dtype}; it must have the input's data type {data.dtype}")
+    row_bytes = _free(dst) * dst.dtype.itemsize
+    offset = (dst.data.ctypes.data - dst.alloc.base_ptr) % dst.alloc.row_bytes
+    if offset // PSUM_BANK_BYTES != (offset + row_bytes - 1) // PSUM_BANK_BYTES:
+        raise NkiValidationError(f"nc_transpose dst {dst.name!r} must lie within one 2 KiB PSUM bank")
     if dst.shape != data.shape[::-1]:
         raise NkiValidationError(f"nc_transpose dst {dst.name!r} shape {dst.shape} != {data.shape[::-1]}")
     write(dst, read(data, "nc_transpose data").T, by_matmul=False)
