@@ -8,7 +8,8 @@ depend on the weight values, so the experts are random valid Trn2 float8_e4m3 co
 
     .venv/bin/python benchmarks/bench_nki_kernels.py            # Qwen3.5-35B-A3B rank shape, T 16..256
     .venv/bin/python benchmarks/bench_nki_kernels.py --quick    # fewer buckets
-Writes benchmarks/results/bench_nki_kernels.json.
+    .venv/bin/python benchmarks/bench_nki_kernels.py --experts 9 --hidden 4096 --inter 2048   # GLM-5.3-Flash, EP=32
+Writes benchmarks/results/bench_nki_kernels_E{E}_H{H}_I{I}.json.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def main() -> None:
     print_table(rows, cols)
     worst = max(r["moved/ideal"] for r in rows)
     print(f"\nbytes moved / ideal: worst {worst:.4f} (target <= {BYTES_TARGET}): {'OK' if worst <= BYTES_TARGET else 'MISSED'}")
-    write_json("bench_nki_kernels", {"shape": vars(args), "rows": rows, "assumptions": cost.__doc__,
+    write_json(f"bench_nki_kernels_E{args.experts}_H{args.hidden}_I{args.inter}", {"shape": vars(args), "rows": rows, "assumptions": cost.__doc__,
                                      "reference_trn2_ms_source": "docs/TRN2_NKI.md (dstair/neuron-pytorch-native)"})
 
 
