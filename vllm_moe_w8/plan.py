@@ -198,8 +198,8 @@ def expert_scale_bytes(h: int, i_rank: int, mode: str, block: tuple[int, int]) -
     r = _tile_rows(i_rank)
     if mode == "output-block":
         return SCALE_BYTES * (2 * math.ceil(i_rank / r) + math.ceil(h / BLOCK))
-    gate_up = 2 * math.ceil(i_rank / r) * math.ceil(h / block[1])
-    down = math.ceil(h / block[0]) * math.ceil(i_rank / r)
+    gate_up = 2 * math.ceil(i_rank / r) * (math.ceil(h / block[1]) if block[1] else 1)
+    down = math.ceil(h / block[0]) * (math.ceil(i_rank / r) if block[1] else 1)
     return SCALE_BYTES * (gate_up + down)
 
 
@@ -332,7 +332,9 @@ def make_plan(
         raise PlanError(f"--tp must be >= 1, got {tp}")
     s = model_shape(config)
     q = quant_format(config)
-    block = q.block if q.kind in ("block", "per-channel") and q.block else (BLOCK, BLOCK)
+    block = q.block if q.kind in ("block", "per-channel", "neuron-w8") and q.block else (BLOCK, BLOCK)
+    if q.kind == "neuron-w8" and q.mode:
+        mode = q.mode  # a converted checkpoint's scale grid is fixed by its mode
     h, i, e = s.hidden, s.moe_intermediate, s.experts
     L = len(s.moe_layers)
     per_expert = 3 * h * i
