@@ -130,7 +130,27 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         raise CheckpointError(f"{path}: cannot read ({e})") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: header is not valid JSON ({e}); the file is corrupt") from e
+    _check_header(path, header)
     return header, 8 + n
+
+
+def _check_header(path: Path, header: Any) -> None:
+    """The header's structure: {name: {dtype: str, shape: [int >= 0], data_offsets: [begin, end]}} (else corrupt)."""
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is JSON {type(header).__name__}, not an object; the file is corrupt")
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        ok = isinstance(meta, dict) and isinstance(meta.get("dtype"), str)
+        shape, offsets = (meta.get("shape"), meta.get("data_offsets")) if ok else (None, None)
+        ok = ok and isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2
+        ok = ok and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets) and 0 <= offsets[0] <= offsets[1]
+        if not ok:
+            raise CheckpointError(
+                f"{path}: header entry for tensor {name!r} is malformed ({json.dumps(meta)[:200]}); expected "
+                "dtype, shape and data_offsets [begin, end]: the file is corrupt, re-download it"
+            )
 
 
 def text_config(config: dict) -> dict:
@@ -221,8 +241,10 @@ class Checkpoint:
             raise CheckpointError(f"{cfg_path}: missing; a Hugging Face checkpoint needs its config.json")
         try:
             self.config: dict = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{cfg_path}: must hold a JSON object, got {type(self.config).__name__}")
         self.index_path: Path | None = None
         self.weight_map: dict[str, str] = self._read_weight_map()
         self.tensors: dict[str, TensorInfo] = {}
@@ -238,12 +260,15 @@ class Checkpoint:
             self.index_path = index
             try:
                 data = json.loads(index.read_text())
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{index}: not valid JSON ({e})") from e
-            wm = data.get("weight_map")
+            wm = data.get("weight_map") if isinstance(data, dict) else None
             if not isinstance(wm, dict) or not wm:
                 raise CheckpointError(f"{index}: has no 'weight_map'; re-download the index file")
-            return {str(k): str(v) for k, v in wm.items()}
+            bad = [v for v in wm.values() if not (isinstance(v, str) and v and "\x00" not in v and len(v) < 256)]
+            if bad:
+                raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names; found {str(bad[0])[:80]!r}")
+            return {str(k): v for k, v in wm.items()}
         files = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{self.path}: no {INDEX_NAME} and no *.safetensors files")
