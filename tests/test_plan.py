@@ -171,3 +171,29 @@ def test_scale_model_matches_a_converted_checkpoint(tmp_path):
         assert p["mode"] == mode
         assert p["expert_bytes_total_w8_codes"] == codes
         assert p["expert_bytes_total_w8"] == codes + scales
+
+
+def test_every_packaged_config_documents_itself_and_its_recommendation_fits():
+    for stem in packaged_configs():
+        entry = load_model_entry(stem)
+        assert entry["notes"]["source"] and isinstance(entry["notes"]["assumed"], list), stem
+        rec = entry["recommended"]
+        for key in ("instance", "tp", "dp", "ep", "lnc", "mode", "batch_buckets", "reasoning", "hbm_gb_per_rank", "plan"):
+            assert key in rec, (stem, key)
+        p = make_plan(entry["config"], tp=rec["tp"], dp=rec["dp"], ep=rec["ep"], hbm_gb=rec["hbm_gb_per_rank"],
+                      mode=rec["mode"], max_model_len=8192)
+        assert p["errors"] == [] and p["fit"]["w8"]["max_sequences_at_max_model_len"] >= max(rec["batch_buckets"]) // 8, stem
+        assert p["fit"]["w8"]["kv_tokens"] > p["fit"]["bf16"]["kv_tokens"], stem  # the point of 1-byte experts
+        argv = rec["plan"].split()[1:] + ["--json"]
+        assert argv[:2] == ["plan", stem]
+        assert cli.main(argv) == 0, stem
+
+
+def test_dp_spreads_experts_only_with_ep():
+    cfg = load_model_entry("qwen3.5-397b-a17b")["config"]
+    a = make_plan(cfg, tp=16, dp=2, ep=True, hbm_gb=1e4)
+    b = make_plan(cfg, tp=32, ep=True, hbm_gb=1e4)
+    assert a["expert_bytes_per_rank_w8_codes"] == b["expert_bytes_per_rank_w8_codes"] and a["experts_per_rank"] == 16
+    assert a["kv_bytes_per_token_per_rank"] == make_plan(cfg, tp=16, hbm_gb=1e4)["kv_bytes_per_token_per_rank"]
+    assert make_plan(cfg, tp=16, dp=2, hbm_gb=1e4)["expert_bytes_per_rank_w8_codes"] == make_plan(cfg, tp=16, hbm_gb=1e4)["expert_bytes_per_rank_w8_codes"]
+    assert b["errors"] and "linear-attention heads" in b["errors"][0]

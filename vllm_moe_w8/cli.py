@@ -34,7 +34,7 @@ def cmd_plan(args) -> int:
 
     try:
         config, source = resolve_config(args.target, args.config)
-        report = make_plan(config, tp=args.tp, ep=args.ep, hbm_gb=args.hbm_gb, max_model_len=args.max_model_len,
+        report = make_plan(config, tp=args.tp, ep=args.ep, dp=args.dp, hbm_gb=args.hbm_gb, max_model_len=args.max_model_len,
                            mode=args.mode, kv_dtype_bytes=1 if args.kv_cache_dtype == "fp8" else 2,
                            utilization=args.utilization, source=source)
     except PlanError as e:
@@ -79,7 +79,8 @@ def cmd_configs(args) -> int:
     else:
         for r in rows:
             rec = r["recommended"]
-            split = f"{'EP' if rec.get('ep') else 'TP'}={rec.get('tp')}"
+            dp = rec.get("dp", 1)
+            split = f"TP={rec.get('tp')}" + (f" x DP={dp}" if dp > 1 else "") + (f", EP={rec.get('tp') * dp}" if rec.get("ep") else "")
             print(f"{r['file']:20s} {r['name']:18s} {r['architecture']:36s} {rec.get('instance', '')}, {split}, {rec.get('mode', '')}")
     return 0
 
@@ -110,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("target", nargs="?", help="checkpoint folder, config.json, or a packaged model name (see `configs`)")
     s.add_argument("--config", help="a config.json file")
     s.add_argument("--tp", type=int, default=1, help="ranks (tensor-parallel size; with --ep also the expert-parallel size)")
-    s.add_argument("--ep", action="store_true", help="expert parallelism: whole experts per rank")
+    s.add_argument("--ep", action="store_true", help="expert parallelism: whole experts per rank (over TP x DP ranks)")
+    s.add_argument("--dp", type=int, default=1, help="data-parallel replicas of attention (with --ep the experts spread over TP x DP)")
     s.add_argument("--hbm-gb", type=float, default=None, help="HBM per rank in GB (default: Trn2 logical core at LNC=2, 25.77 GB)")
     s.add_argument("--utilization", type=float, default=0.9, help="share of HBM usable for weights + KV (default 0.9)")
     s.add_argument("--max-model-len", type=int, default=None, help="context length: also report sequences that fit")

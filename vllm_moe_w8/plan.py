@@ -284,8 +284,8 @@ def linear_state_bytes_per_seq(s: ModelShape, tp: int, state_dtype_bytes: int) -
     ]
 
 
-def tp_advice(s: ModelShape, tp: int, ep: bool) -> tuple[list[str], list[str]]:
-    """(warnings, errors) about splitting the experts over ``tp`` ranks."""
+def tp_advice(s: ModelShape, tp: int, ep: bool, dp: int = 1) -> tuple[list[str], list[str]]:
+    """(warnings, errors) about splitting attention over ``tp`` ranks and the experts over tp (or tp x dp with EP)."""
     warnings, errors = [], []
     if tp < 1:
         return warnings, [f"--tp must be >= 1, got {tp}"]
@@ -303,8 +303,9 @@ def tp_advice(s: ModelShape, tp: int, ep: bool) -> tuple[list[str], list[str]]:
     i = s.moe_intermediate
     ok = [t for t in TP_CANDIDATES if i % t == 0 and (i // t) % BLOCK == 0]
     if ep:
-        if s.experts % tp:
-            warnings.append(f"{s.experts} experts do not divide evenly over EP={tp}: the fullest rank holds {math.ceil(s.experts / tp)}")
+        n = tp * dp
+        if s.experts % n:
+            warnings.append(f"{s.experts} experts do not divide evenly over EP={n}: the fullest rank holds {math.ceil(s.experts / n)}")
         return warnings, errors
     if i % tp:
         errors.append(f"moe_intermediate_size {i} is not divisible by TP={tp}; use --ep (whole experts per rank) or TP in {[t for t in TP_CANDIDATES if i % t == 0]}")
@@ -321,6 +322,7 @@ def make_plan(
     config: dict,
     tp: int = 1,
     ep: bool = False,
+    dp: int = 1,
     hbm_gb: float | None = None,
     max_model_len: int | None = None,
     mode: str = "pow2",
@@ -330,6 +332,8 @@ def make_plan(
 ) -> dict[str, Any]:
     if tp < 1:
         raise PlanError(f"--tp must be >= 1, got {tp}")
+    if dp < 1:
+        raise PlanError(f"--dp must be >= 1, got {dp}")
     s = model_shape(config)
     q = quant_format(config)
     block = q.block if q.kind in ("block", "per-channel", "neuron-w8") and q.block else (BLOCK, BLOCK)
@@ -340,7 +344,7 @@ def make_plan(
     per_expert = 3 * h * i
     total_codes = L * e * per_expert
     if ep:
-        experts_rank = math.ceil(e / tp)
+        experts_rank = math.ceil(e / (tp * dp))  # vLLM's EP group is TP x DP
         i_rank = i
         codes_rank = L * experts_rank * per_expert
     else:
@@ -353,7 +357,7 @@ def make_plan(
     other_rank = 2 * (math.ceil(other["sharded"] / tp) + other["replicated"])
     kv_tok, kv_notes = kv_bytes_per_token(s, tp, kv_dtype_bytes)
     state_seq, state_notes = linear_state_bytes_per_seq(s, tp, 2)
-    warnings, errors = tp_advice(s, tp, ep)
+    warnings, errors = tp_advice(s, tp, ep, dp)
 
     hbm = (hbm_gb if hbm_gb is not None else DEFAULT_HBM_GB) * GB
     usable = hbm * utilization
@@ -375,7 +379,7 @@ def make_plan(
 
     assumptions = [
         "GB = 1e9 bytes; routed experts = MoE layers x E x 3·H·I (gate, up, down); FP8 codes 1 B, BF16 2 B",
-        ("EP: whole experts per rank (the fullest rank's ceil(E/EP))" if ep else "TP without EP: every expert's intermediate dim split over the ranks"),
+        ("EP (= TP x DP ranks): whole experts per rank (the fullest rank's ceil(E/EP)); attention split by TP" if ep else "TP without EP: every expert's intermediate dim split over the ranks"),
         f"neuron-w8 scales float32 on the {mode} grid" + (", refined to gcd(I/tp, 128)-row tiles" if not ep and i_rank % BLOCK else ""),
         "other weights (embeddings, lm_head, attention, dense MLPs, shared experts, routers) estimated from config shapes in BF16; "
         "TP-sharded except routers and MLA down-projections; norms/biases/conv kernels ignored",
@@ -389,7 +393,9 @@ def make_plan(
         "source": source,
         "architecture": s.architecture,
         "tp": tp,
+        "dp": dp,
         "ep": ep,
+        "ranks": tp * dp,
         "mode": mode,
         "shape": {
             "hidden_size": h, "moe_intermediate_size": i, "num_experts": e, "top_k": s.top_k,
@@ -420,7 +426,9 @@ def make_plan(
 def format_plan(p: dict[str, Any]) -> str:
     g = lambda b: f"{b / GB:.2f} GB"  # noqa: E731
     sh = p["shape"]
-    split = f"EP={p['tp']} ({p['experts_per_rank']} experts per rank)" if p["ep"] else f"TP={p['tp']} (I per rank {p['moe_intermediate_per_rank']})"
+    dp = f" x DP={p['dp']}" if p["dp"] > 1 else ""
+    split = (f"TP={p['tp']}{dp}, EP={p['ranks']} ({p['experts_per_rank']} experts per rank)" if p["ep"]
+             else f"TP={p['tp']}{dp} (I per rank {p['moe_intermediate_per_rank']})")
     lines = [
         f"{p['source'] or p['architecture']}: {p['architecture']}",
         f"  H {sh['hidden_size']}, I {sh['moe_intermediate_size']}, E {sh['num_experts']}, top-{sh['top_k']}, "
