@@ -45,9 +45,12 @@ def _load(layer, suffix, tensors, shard=None):
     s.weight_loader(s, scale, *args)
 
 
-def _build(cls, fmt="block", **kwargs):
+def _build(cls, fmt="block", hand_over=False, **kwargs):
     with vllm_context():
-        return cls(quant_config=quant_config_for(fmt), params_dtype=DTYPE, **kwargs)
+        layer = cls(quant_config=quant_config_for(fmt), params_dtype=DTYPE, **kwargs)
+    if hasattr(layer.quant_method, "hand_over"):
+        layer.quant_method.hand_over = hand_over  # keep layer.weight inspectable
+    return layer
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
@@ -70,6 +73,26 @@ def test_qkv_ragged_kv_shards(tp, tp_size):
         x = torch.randn(3, 200, dtype=DTYPE)
         out, _ = layer(x)
         assert torch.equal(out, torch.nn.functional.linear(x, want.to(DTYPE)))
+
+
+def test_dequantised_layer_is_handed_over_to_vllms_unquantized_method(tp):
+    from vllm.model_executor.layers.linear import QKVParallelLinear, UnquantizedLinearMethod
+
+    tp(1, 0)
+    q, k, v = _quant(256, 200, seed=1), _quant(128, 200, seed=2), _quant(128, 200, seed=3)
+    layer = _build(QKVParallelLinear, hand_over=True, hidden_size=200, head_size=64, total_num_heads=4, total_num_kv_heads=2,
+                   bias=False, prefix="model.layers.0.self_attn.qkv_proj")
+    for shard, t in (("q", q), ("k", k), ("v", v)):
+        _load(layer, "weight_scale_inv", t, shard)
+    with vllm_context():
+        layer.quant_method.process_weights_after_loading(layer)
+    assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+    x = torch.randn(5, 200, dtype=DTYPE)
+    with vllm_context():
+        out, _ = layer(x)
+    want = torch.nn.functional.linear(x.float(), torch.cat([q[2], k[2], v[2]]).to(DTYPE).float())
+    # vLLM's CPU GEMM (oneDNN) vs an fp32 product of the same bf16 operands: bf16 output rounding.
+    assert float((out.float() - want).abs().max() / want.abs().max()) < 2**-7
 
 
 def test_merged_gate_up_and_row_parallel_tp2_ragged_ranks(tp):

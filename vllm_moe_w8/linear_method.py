@@ -4,7 +4,8 @@ FP8 checkpoints quantise more than the routed experts: attention q/k/v/o, shared
 linear-attention ``in_proj_qkv`` / ``in_proj_z`` / ``out_proj``, dense MLPs, GLM's MLA projections.
 They are a small share of the bytes, so they are served in BF16 (the model's dtype): loaded as FP8
 bytes + scales, dequantised exactly (:func:`vllm_moe_w8.fp8.dequantize_checkpoint` semantics) in
-``process_weights_after_loading``, then computed with ``F.linear``.
+``process_weights_after_loading``, then handed over to vLLM's own ``UnquantizedLinearMethod`` (its
+platform GEMM dispatch; MLA reads such a layer's weight directly).
 
 Scales are stored **one row per weight row** (``[N_rank, ceil(K_rank / bk)]``, or ``[N_rank, 1]``
 per-channel): the incoming block grid is refined by the loader wrapper before vLLM's own (v1) loader
@@ -53,6 +54,7 @@ class NeuronW8LinearMethod(LinearMethodBase):
         self.prefix = prefix
         self.block = quant_config.format.linear_block
         self.suffix = quant_config.format.linear_scale_suffix
+        self.hand_over = True  # after dequantising, serve with vLLM's UnquantizedLinearMethod (tests may turn off)
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int], input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
         vllm_loader = extra_weight_attrs.pop("weight_loader")
@@ -144,6 +146,17 @@ class NeuronW8LinearMethod(LinearMethodBase):
         layer._parameters.pop(self.suffix, None)
         layer.weight = torch.nn.Parameter(dense, requires_grad=False)
         layer.neuron_w8_dequantized = True
+        if self.hand_over:
+            self._hand_over(layer)
+
+    def _hand_over(self, layer) -> None:
+        """From here on the layer *is* an unquantised layer: let vLLM's own method serve it (its platform GEMM
+        dispatch on CPU, and MLA's kv_b_proj handling, which reads unquantised weights directly)."""
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        method = UnquantizedLinearMethod()
+        layer.quant_method = method
+        method.process_weights_after_loading(layer)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = layer.weight
