@@ -25,10 +25,9 @@ DATA_CASES = ("scale_zero", "scale_negative", "scale_nan", "scale_inf", "nan_cod
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    from vllm_moe_w8.tiny_models import write_checkpoint
-
-    return write_checkpoint(tmp_path_factory.mktemp("base") / "qwen3", "qwen3-moe")
+def base(tiny_checkpoint) -> Path:
+    """The session's tiny Qwen3-MoE block-FP8 checkpoint (conftest); every case breaks a private copy."""
+    return tiny_checkpoint("qwen3-moe")
 
 
 def run_cli(*argv: str) -> tuple[int, str]:
