@@ -8,7 +8,6 @@ The op's storage (DEVELOPING.md) is ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` uint8 w
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -111,11 +110,3 @@ def run_chunked(launch, x: torch.Tensor, affinities: torch.Tensor) -> torch.Tens
         aff = pad_rows(affinities[start:stop], bucket)  # padded tokens have zero affinity: they add nothing
         outs.append(launch(hidden, aff)[: stop - start])
     return torch.cat(outs) if outs else x.new_zeros((0, 0), dtype=torch.float32)
-
-
-def padded_tokens(tokens: int) -> int:
-    return sum(b for _s, _e, b in chunks(tokens))
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)
