@@ -34,7 +34,8 @@ Dataflow per expert (dense over the rank's local experts, as decode needs):
   are the *moving* operand of ``nisa.nc_matmul`` against the bf16 hidden^T chunk (stationary), fp32
   PSUM. SiLU(gate) (ScalarE, scale fused), times the affinity, times up gives the activation in bf16
   [T, I], transposed (TensorE) to [P, I/P, T] to be the stationary operand of the down projection,
-  whose output is scaled and added into the fp32 accumulator [T, H] in SBUF. One DMA writes the result.
+  whose output is scaled and added into the fp32 accumulator [T, H] in SBUF; one DMA per 128-token tile
+  writes the result.
 Precision: products are exact in fp32 (bf16 x fp8), accumulation fp32; the activation is rounded to
 bf16 once before the down projection (the only rounding beyond fp32 accumulation).
 """
