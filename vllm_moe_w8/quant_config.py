@@ -168,11 +168,19 @@ def _parse_converted(cfg: dict) -> CheckpointFormat:
     if src is not None and src.converted:
         raise UnsupportedCheckpoint("neuron-w8 quantization_config 'source' is itself a neuron-w8 config; it must be the original FP8 config")
     if src is None:
-        block = cfg.get("weight_block_size", SUPPORTED_BLOCK)
+        block = cfg.get("weight_block_size") or SUPPORTED_BLOCK
         if list(block) != SUPPORTED_BLOCK:
             raise UnsupportedCheckpoint(f"neuron-w8 quantization_config weight_block_size {list(block)}; expected {SUPPORTED_BLOCK}")
         src = CheckpointFormat("block", (128, 128), "weight_scale_inv", (128, 128), "weight_scale_inv")
     expert_block = (fp8.OUTPUT_BLOCK_ROWS, 0) if mode == "output-block" else src.expert_block
+    if cfg.get("expert_block_size") is not None:  # the converter's tile (refined when converted for a ragged TP)
+        eb = cfg["expert_block_size"]
+        if not (isinstance(eb, (list, tuple)) and len(eb) == 2 and int(eb[0]) >= 1 and int(eb[1]) >= 0):
+            raise UnsupportedCheckpoint(f"neuron-w8 quantization_config expert_block_size {eb!r}; expected [rows >= 1, cols >= 0]")
+        eb = (int(eb[0]), int(eb[1]))
+        if mode == "output-block" and eb[1] != 0:
+            raise UnsupportedCheckpoint(f"neuron-w8 quantization_config expert_block_size {list(eb)} with mode output-block; expected [rows, 0]")
+        expert_block = eb
     if cfg.get("expert_block_size"):  # written by `convert` (refined tile when converted for a ragged TP split)
         expert_block = tuple(int(b) for b in cfg["expert_block_size"])
     return CheckpointFormat(
