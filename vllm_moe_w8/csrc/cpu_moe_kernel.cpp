@@ -254,16 +254,26 @@ int moe_w8_forward(const float* x, int64_t T, int64_t H, int64_t I, int64_t E,
   const int64_t* pair_tokens = pair_token_v.data();
   const float* pair_weights = pair_weight_v.data();
 
-  // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p).
+  // Work items. Phase 1: (expert, chunk of intermediate rows); phase 2: chunk of hidden rows of W2.
   int64_t chunk1 = 64;
   while (chunk1 > kPanelRows * 2 && n_active * ((I + chunk1 - 1) / chunk1) < 4 * nt) chunk1 /= 2;
   const int64_t chunks1 = (I + chunk1 - 1) / chunk1;
   const int64_t items1 = n_active * chunks1;
-#pragma omp parallel num_threads(nt)
+  int64_t chunk2 = 64;
+  while (chunk2 > kPanelRows * 2 && (H + chunk2 - 1) / chunk2 < 8 * nt) chunk2 /= 2;
+  const int64_t items2 = (H + chunk2 - 1) / chunk2;
+  // Waking a thread costs more than a small call's whole work (and much more on a busy machine):
+  // below ~1 MB of routed codes, run on the calling thread only.
+  const int64_t routed_codes = n_active * 3 * I * H;
+  const int threads = routed_codes < (int64_t{1} << 20) ? 1 : nt;
+
+  // One parallel region (one thread wake-up per call); the barrier after phase 1 publishes h.
+#pragma omp parallel num_threads(threads)
   {
     std::vector<float> panel(kPanelRows * std::max(H, I));
     std::vector<const float*> xs;
     std::vector<float> gate, up;
+    // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p).
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items1; ++item) {
       const int64_t a = item / chunks1, c = item % chunks1;
@@ -285,26 +295,18 @@ int moe_w8_forward(const float* x, int64_t T, int64_t H, int64_t I, int64_t E,
         for (int64_t i = 0; i < ni; ++i) hrow[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
       }
     }
-  }
-
-  // Phase 2: out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
-  int64_t chunk2 = 64;
-  while (chunk2 > kPanelRows * 2 && (H + chunk2 - 1) / chunk2 < 8 * nt) chunk2 /= 2;
-  const int64_t items2 = (H + chunk2 - 1) / chunk2;
-#pragma omp parallel num_threads(nt)
-  {
-    std::vector<float> panel(kPanelRows * std::max(H, I));
-    std::vector<const float*> hs;
+    // (implicit barrier: every h row is complete)
+    // Phase 2: out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items2; ++item) {
       const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
       for (int64_t a = 0; a < n_active; ++a) {
         const int64_t e = experts[a];
         const int64_t p0 = offsets[a], cnt = offsets[a + 1] - p0;
-        hs.resize(cnt);
-        for (int64_t j = 0; j < cnt; ++j) hs[j] = h + (p0 + j) * I;
+        xs.resize(cnt);
+        for (int64_t j = 0; j < cnt; ++j) xs[j] = h + (p0 + j) * I;
         const Matrix d{w2 + e * H * I, w2_s + e * gH2 * gI2, I, bn, bk, gI2};
-        matmul_rows(d, n0, n1, hs.data(), cnt, panel.data(), [&](int64_t j, int64_t n, float v) {
+        matmul_rows(d, n0, n1, xs.data(), cnt, panel.data(), [&](int64_t j, int64_t n, float v) {
           out[pair_tokens[p0 + j] * H + n] += pair_weights[p0 + j] * v;
         });
       }
