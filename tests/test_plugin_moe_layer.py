@@ -203,3 +203,34 @@ def test_load_logs_start_and_summary(ckpt):
     assert len(summary) == 1
     for piece in ("expert bytes", "blocks shifted", "values rounded", "self-check passed"):
         assert piece in summary[0]
+
+
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+def test_converted_checkpoint_loads_without_repack(ckpt, tokens, mode):
+    """uint8 codes + fp32 scales as `vllm-moe-w8 convert` writes them: loaded as they are (no second repack),
+    at TP1 and in a TP2 rank loop (tiles refined to 64 rows on 192-row ranks); same output as converting at load."""
+    from vllm_moe_w8.quant_config import NeuronW8Config
+
+    block = (128, 0) if mode == "output-block" else (128, 128)
+    converted = {}
+    for key, codes in ckpt.weights.items():
+        rep = fp8.repack(codes, ckpt.scales[key], mode, (128, 128))
+        converted[key] = (rep.codes, rep.scale_grid)
+    conv_ckpt = type(ckpt)("block", {k: v[0] for k, v in converted.items()}, {k: v[1] for k, v in converted.items()},
+                           ckpt.dense, ckpt.num_experts, ckpt.hidden, ckpt.inter)
+    cfg = {"quant_method": "neuron-w8", "mode": mode, "code_format": fp8.CODE_FORMAT[mode], "weight_block_size": [128, 128],
+           "expert_block_size": list(block), "source": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
+    x, w, ids = tokens
+    at_load = _layer("block", ckpt, additional_config={"neuron_w8": {"mode": mode}})
+    want = at_load.quant_method.apply(at_load, x, w, ids)
+    layer = make_layer(NeuronW8Config.from_config(cfg), conv_ckpt)
+    load_layer(layer, conv_ckpt)
+    assert layer.quant_method.block == block
+    assert torch.equal(layer.quant_method.apply(layer, x, w, ids), want)
+    total = torch.zeros_like(want, dtype=torch.float64)
+    for rank in range(2):
+        layer = make_layer(NeuronW8Config.from_config(cfg), conv_ckpt, tp=(2, rank))
+        load_layer(layer, conv_ckpt)
+        assert layer.quant_method.block == (64, 0 if mode == "output-block" else 64)
+        total += layer.quant_method.apply(layer, x, w, ids).double()
+    assert rel_err(total, want) < SUMMATION_RTOL
