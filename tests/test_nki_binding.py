@@ -43,6 +43,13 @@ def test_prepare_weights_caches_one_relayout_per_layer():
     assert a is b and a.mode == "pow2" and tuple(a.w13.shape) == (2, 128, 1, 256)
 
 
+def test_supports_names_the_kernel_or_the_reason():
+    assert neuron_binding.supports(128, 128, "e4m3") == (True, "pow2")
+    assert neuron_binding.supports(128, 0, "e4m3") == (True, "output-block")
+    ok, why = neuron_binding.supports(64, 128, "e4m3")
+    assert not ok and "torch path" in why
+
+
 def test_refuses_what_the_kernels_do_not_implement():
     x = torch.zeros(2, 128)
     args = (x, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, 256, 128, dtype=torch.uint8),

@@ -92,6 +92,14 @@ def _registered_ops() -> dict:
     return ops
 
 
+def supports(block_n: int, block_k: int, code_format: str) -> tuple[bool, str]:
+    """(True, kernel variant) if a layer with these scale tiles / codes has an NKI kernel, else (False, why)."""
+    try:
+        return True, host.kernel_mode(block_n, block_k, code_format)
+    except ValueError as exc:
+        return False, str(exc)
+
+
 def prepare_weights(w13, w13_scales, w2, w2_scales, block_n: int, block_k: int, code_format: str) -> host.KernelWeights:
     """Re-lay out one layer's experts for the kernels (on CPU, then to the weights' device) and cache it."""
     key = (w13.data_ptr(), tuple(w13.shape), w2.data_ptr(), tuple(w2.shape), block_n, block_k)
