@@ -66,6 +66,7 @@ def inspect_checkpoint(path, scan: bool = False, progress: bool = True) -> dict[
         "format_description": q.describe(),
         "quant_method": q.method,
         "weight_block_size": list(q.block) if q.block else None,
+        "skip_list": q.skip,  # modules_to_not_convert / ignored_layers / ignore, as the checkpoint spells it
         "shards": len(ckpt.shard_files),
         "tensors": len(ckpt.tensors),
         "total_bytes": ckpt.total_bytes(),
@@ -214,6 +215,7 @@ def format_report(r: dict[str, Any]) -> str:
         "  expert scales: " + (", ".join(f"{k} x{v}" for k, v in r["expert_scales"].items()) or "none"),
         f"  FP8 tensors: {r['fp8_tensors']}; by category: "
         + ", ".join(f"{c} {v.get('fp8', 0)} FP8 / {v.get('kept', 0)} kept" for c, v in r["by_category"].items()),
+        f"  skip list in quantization_config: {r['skip_list'] or 'none'}",
         "  kept unquantised (2-D):",
     ]
     lines += [f"    {p} x{n}" for p, n in list(r["kept_2d_patterns"].items())[:30]]
