@@ -380,11 +380,12 @@ def user_settings(additional_config: Any = None) -> dict:
     section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}) if isinstance(additional_config, dict) else {}
     if not isinstance(section, dict):
         raise ValueError(f"neuron-w8: additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be an object, got {section!r}")
-    unknown = sorted(set(section) - set(SETTINGS_DEFAULTS) - {"auto"})
+    unknown = sorted(set(section) - set(SETTINGS_DEFAULTS))
     if unknown:
         raise ValueError(
             f"neuron-w8: unknown additional_config[{ADDITIONAL_CONFIG_KEY!r}] key(s) {unknown}; known keys: "
-            f"{sorted(SETTINGS_DEFAULTS)} (automatic claiming is the environment variable {AUTO_ENV}=1)"
+            f"{sorted(SETTINGS_DEFAULTS)} (automatic claiming is the environment variable {AUTO_ENV}=1: vLLM picks the "
+            "quantization method before additional_config is available)"
         )
     return section
 
