@@ -15,7 +15,8 @@ dequantisation multipliers (``weight_scale_inv`` / ``weight_scale``) in the requ
 
 :func:`write_twin` writes the *independent reference*: the same checkpoint with each FP8 tensor
 replaced by its exactly dequantised weight (torch's own float8_e4m3fn conversion times the scale,
-pad-then-crop on ragged grids) and no ``quantization_config``; vLLM runs it unquantised.
+pad-then-crop on ragged grids; exact for bf16/fp16 scales, one fp32 rounding for fp32 scales) and no
+``quantization_config``; vLLM runs it unquantised.
 
 Imports torch and safetensors; ``tokenizers`` is imported only when a tokenizer is written.
 Never imports vLLM.
@@ -368,8 +369,8 @@ def _qwen3_5_moe(s: TinySizes, v: dict):
 def _qwen3_5_moe_text(s: TinySizes, v: dict):
     p = Plan()
     layer_types = _qwen3_5_layer_types(s)
-    _embed_and_head(p, "model.language_model", s)
-    _qwen3_5_text_layers(p, "model.language_model", s, layer_types)
+    _embed_and_head(p, "model", s)  # clean text-only naming (vLLM also strips a `model.language_model.` prefix)
+    _qwen3_5_text_layers(p, "model", s, layer_types)
     _mark_zero_centered_norms(p)
     config = _qwen3_5_text_config(s, v, layer_types)
     config = {"architectures": ["Qwen3_5MoeForCausalLM"], **config}
@@ -436,9 +437,9 @@ def _glm4_moe(s: TinySizes, v: dict):
 
 # ---- GLM-5 (GlmMoeDsaForCausalLM: DeepSeek-V3.2 MLA + DSA indexer, sigmoid routing) ---------
 
-# vLLM's MLA backends accept latent head sizes (kv_lora_rank + qk_rope_head_dim) of 320, 512 or 576
-# (GLM-5: 512 + 64); 256 + 64 = 320 is the smallest. index_topk 64: prompts up to 64 tokens attend densely.
-GLM5_MLA = {"q_lora_rank": 256, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
+# GLM-5's own latent sizes (kv_lora_rank 512 + qk_rope_head_dim 64 = 576): vLLM's CPU MLA decode kernel
+# accepts only this head size. index_topk 64: prompts up to 64 tokens attend to every token.
+GLM5_MLA = {"q_lora_rank": 256, "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
             "v_head_dim": 64, "index_n_heads": 4, "index_head_dim": 128, "index_topk": 64}
 
 
@@ -563,7 +564,7 @@ def quantize_channel(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.T
 
 
 def dequantize_exact(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """float8_e4m3fn [N, K] x scale -> fp32, exactly (fp8 and the scale are both exact in fp32).
+    """float8_e4m3fn [N, K] x scale -> fp32: exact for bf16/fp16 scales, one fp32 rounding for fp32 scales.
 
     ``block`` (bn, bk) for a block grid (pad-then-crop covers ragged edges); None for per-channel.
     Uses torch's own float8_e4m3fn conversion, independent of this project's codecs.
@@ -769,7 +770,11 @@ def write_checkpoint(
     arch = resolve_architecture(arch)
     family = ARCHITECTURES[arch]
     if family not in FAMILIES:
-        raise NotImplementedError(f"tiny {arch} checkpoints are not implemented yet")
+        raise NotImplementedError(
+            f"tiny {arch} (GLM-5.3-Flash) checkpoints are not generated: its KDA linear attention runs only as "
+            "Triton GPU kernels and its DSA layers are refused by vLLM's CPU build ('Sparse Attention is not "
+            "supported on CPU'), so no CPU test could run one; its experts use the same per-expert block-FP8 "
+            "layout as GLM-5 (GlmMoeDsaForCausalLM), which is generated")
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     if scale_dtype is None:
@@ -858,8 +863,8 @@ def _load_all(path: Path) -> dict[str, torch.Tensor]:
 def write_twin(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Copy ``src`` to ``dst`` with every FP8 weight exactly dequantised to ``dtype`` and no quantization_config.
 
-    fp32 twins are exact (an E4M3FN value times a bf16/fp16/fp32 scale fits in fp32's 24-bit
-    mantissa); bf16 twins round each product once.
+    fp32 twins are exact for bf16/fp16 scales (a 4-bit x 8/11-bit mantissa product fits fp32) and
+    correctly rounded to fp32 for fp32 scales (GLM); bf16 twins round that fp32 product to bf16.
     """
     src, dst = Path(src), Path(dst)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
