@@ -127,18 +127,22 @@ inline void decode16(const uint8_t* src, __m256 sc, __m256i sign_bit, __m256& lo
   hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(w, 1)), sc);
 }
 
-// Few tokens: res[j] = dot(row n of mat, xs[j]) for M <= kFusedTokens, decoding straight into registers.
-constexpr int kFusedTokens = 4;
+// Few tokens: res[j] = dot(row n of mat, xs[j]) for M <= kFusedTokens, decoding straight into registers
+// (each 16 codes decoded once, used by every token). M <= 2 keep two accumulators per token (latency).
+constexpr int kFusedTokens = 8;
 constexpr int kPrefetch = 512;  // bytes of codes ahead
 template <int M>
 inline void fused_row_dot(const Matrix& m, int64_t n, const float* const* xs, float* res) {
+  constexpr bool kSplit = M <= 2;
   const __m256i sign_bit = _mm256_set1_epi16(0x4000);
   const uint8_t* src = m.codes + n * m.k;
   const float* srow = m.scales + (n / m.bn) * m.gk;
   const int64_t bk = m.bk ? m.bk : m.k;
-  __m256 acc_lo[M], acc_hi[M];
-#pragma GCC unroll 4
-  for (int j = 0; j < M; ++j) acc_lo[j] = acc_hi[j] = _mm256_setzero_ps();
+  __m256 acc_lo[M], acc_hi[kSplit ? M : 1];
+#pragma GCC unroll 8
+  for (int j = 0; j < M; ++j) acc_lo[j] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+  for (int j = 0; j < (kSplit ? M : 1); ++j) acc_hi[j] = _mm256_setzero_ps();
   for (int64_t kb = 0, b = 0; kb < m.k; kb += bk, ++b) {
     const __m256 sc = _mm256_set1_ps(srow[b] * 256.0f);
     const int64_t kend = std::min(kb + bk, m.k);
@@ -146,15 +150,25 @@ inline void fused_row_dot(const Matrix& m, int64_t n, const float* const* xs, fl
       _mm_prefetch(reinterpret_cast<const char*>(src + k + kPrefetch), _MM_HINT_T0);
       __m256 lo, hi;
       decode16(src + k, sc, sign_bit, lo, hi);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int j = 0; j < M; ++j) {
         acc_lo[j] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs[j] + k), acc_lo[j]);
-        acc_hi[j] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs[j] + k + 8), acc_hi[j]);
+        if constexpr (kSplit) {
+          acc_hi[j] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs[j] + k + 8), acc_hi[j]);
+        } else {
+          acc_lo[j] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs[j] + k + 8), acc_lo[j]);
+        }
       }
     }
   }
-#pragma GCC unroll 4
-  for (int j = 0; j < M; ++j) res[j] = hsum(_mm256_add_ps(acc_lo[j], acc_hi[j]));
+#pragma GCC unroll 8
+  for (int j = 0; j < M; ++j) {
+    if constexpr (kSplit) {
+      res[j] = hsum(_mm256_add_ps(acc_lo[j], acc_hi[j]));
+    } else {
+      res[j] = hsum(acc_lo[j]);
+    }
+  }
 }
 
 inline void fused_row_dot_any(int count, const Matrix& m, int64_t n, const float* const* xs, float* res) {
@@ -162,7 +176,11 @@ inline void fused_row_dot_any(int count, const Matrix& m, int64_t n, const float
     case 1: fused_row_dot<1>(m, n, xs, res); break;
     case 2: fused_row_dot<2>(m, n, xs, res); break;
     case 3: fused_row_dot<3>(m, n, xs, res); break;
-    default: fused_row_dot<4>(m, n, xs, res); break;
+    case 4: fused_row_dot<4>(m, n, xs, res); break;
+    case 5: fused_row_dot<5>(m, n, xs, res); break;
+    case 6: fused_row_dot<6>(m, n, xs, res); break;
+    case 7: fused_row_dot<7>(m, n, xs, res); break;
+    default: fused_row_dot<8>(m, n, xs, res); break;
   }
 }
 
