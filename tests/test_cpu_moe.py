@@ -173,3 +173,46 @@ def test_bad_arguments_are_named():
         cpu_moe.fused_moe_cpu(x, torch.ones(2, 1), ids + 5, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
     with pytest.raises(ValueError, match="uint8"):
         cpu_moe.fused_moe_cpu(x, torch.ones(2, 1), ids, w13.float(), w13_s, w2, w2_s, 64, 64, "e4m3")
+
+
+@pytest.fixture
+def fresh_native(monkeypatch):
+    """cpu_moe_native with its load state reset (restored afterwards)."""
+    from vllm_moe_w8 import cpu_moe_native
+
+    monkeypatch.setattr(cpu_moe_native, "_lib", None)
+    monkeypatch.setattr(cpu_moe_native, "_reason", None)
+    monkeypatch.setattr(cpu_moe_native, "_tried", False)
+    monkeypatch.setattr(cpu_moe, "_LOGGED", set())
+    return cpu_moe_native
+
+
+@pytest.mark.parametrize("how", ["disabled", "compiler fails"])
+def test_falls_back_to_torch_and_says_why(fresh_native, monkeypatch, caplog, how):
+    if how == "disabled":
+        monkeypatch.setenv("VLLM_MOE_W8_NATIVE", "0")
+    else:
+        monkeypatch.setenv("CXX", "/bin/false")  # part of the cache key: no cached build matches, the build fails
+    assert not cpu_moe.native_available()
+    reason = fresh_native.unavailable_reason()
+    assert reason and ("VLLM_MOE_W8_NATIVE=0" in reason if how == "disabled" else "failed" in reason)
+    e, h, inter = 4, 128, 64
+    w13, w13_s, w2, w2_s = make_experts(e, h, inter, (64, 64), "e4m3")
+    gen = torch.Generator().manual_seed(5)
+    ids, wts = make_routing(3, 2, e, gen)
+    x = torch.randn(3, h).to(torch.bfloat16)
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.cpu_moe"):
+        out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
+    assert any("torch implementation" in r.getMessage() and "unavailable" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif("native" not in IMPLEMENTATIONS, reason="native kernel unavailable here")
+def test_native_build_is_cached_and_logged(fresh_native, caplog):
+    first = fresh_native.build()
+    assert first.exists() and fresh_native.build() == first  # second call: the cached file, no rebuild
+    assert cpu_moe.native_available()
+    w13, w13_s, w2, w2_s = make_experts(2, 128, 64, (64, 64), "e4m3")
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.cpu_moe"):
+        cpu_moe.fused_moe_cpu(torch.randn(1, 128), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int64), w13, w13_s, w2, w2_s, 64, 64, "e4m3")
+    assert any("native kernel" in r.getMessage() for r in caplog.records)
