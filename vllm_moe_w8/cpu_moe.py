@@ -5,17 +5,19 @@ experts ``e = topk_ids[t, j] >= 0`` with every ``W`` the exactly dequantised wei
 tile's float32 scale, rounded once to float32 -- the same numbers as :func:`vllm_moe_w8.fp8.dequantize`),
 in float32, returned in ``x``'s dtype. See DEVELOPING.md, "The MoE op", for the storage layout.
 
-Two implementations, same numbers (both touch only the routed experts and group tokens by expert):
+Two implementations, the same numbers up to float32 summation order (both touch only the routed experts and group tokens by expert):
 
-* ``native`` (:mod:`vllm_moe_w8.cpu_moe_native`, a small C++ kernel built at first use): decodes the
-  1-byte codes of a few rows at a time into a cache-resident float32 panel (FP8 -> float16 bits with
-  one shift/and/add, float16 -> float32 with F16C, times the tile scale) and multiplies it at once
-  with every token routed to that expert; never materialises an expert. AVX2 + FMA + F16C, OpenMP
-  threads = ``torch.get_num_threads()``.
+* ``native`` (:mod:`vllm_moe_w8.cpu_moe_native` builds ``csrc/cpu_moe_kernel.cpp`` at first use, ~5 s
+  of g++, cached): FP8 byte -> float16 bits with one shift/and/add, float16 -> float32 with F16C, times
+  the tile's scale -- the same float32 weight as ``fp8.dequantize``. An expert routed to <= 8 tokens has
+  each 16 codes decoded in registers and used at once by all its tokens (decode-bound, reads 1 byte per
+  weight); more tokens: a 4-row panel is decoded into L1 and reused by 4x3 register tiles. AVX2 + FMA +
+  F16C, one OpenMP region per call with ``torch.get_num_threads()`` threads (torch's own libgomp).
+  Codes must be finite in their format (repack and the checkpoint validation guarantee it).
 * ``torch`` (the portable fallback): dequantises each routed expert once per call and uses torch
   matmuls. Used where the native kernel cannot be built or does not cover the shapes.
 
-The implementation that ran is logged once per process.
+The implementation that ran is logged once per process. ``VLLM_MOE_W8_NATIVE=0`` forces the torch path.
 """
 
 from __future__ import annotations
