@@ -1,0 +1,101 @@
+"""Accuracy gate per model family: ``LLM(..., quantization="neuron-w8")`` on a tiny FP8 checkpoint in the
+official layout vs vLLM's own *unquantised* run of its exactly dequantised twin (``tiny_models.write_twin``).
+
+The twin is independent of the plugin: its weights come from torch's float8_e4m3fn conversion times the
+checkpoint's scales, and vLLM runs it with no quantization at all. Both runs see the same prompts;
+we compare the teacher-forced prompt logprobs (every prompt token after the first) and the offline
+``generate`` output. One child process per case runs both LLMs, one after the other.
+
+Where vLLM's CPU build runs an architecture in float32 the two runs hold bit-identical weights, so
+they may only differ by fp32 summation order; Qwen3.5's Gated DeltaNet runs only in bfloat16 on CPU
+("CPU GDN attention requires BF16"), so those runs carry bf16 activation rounding and get a wider,
+named tolerance. GLM-5's DSA attention is refused by the CPU build ("Sparse Attention is not
+supported on CPU"); its runs use dense MLA (``_models_runner.dense_mla``), which equals DSA for
+prompts no longer than ``index_topk`` (64 here), so the checkpoint, its MoE and its MLA run for real.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import run_models_child
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+# fp32 runs: identical weights; logits differ only by fp32 rounding of differently ordered sums and by
+# the pow2 repack's exact-or-round-to-even halving of odd subnormal codes (measured: 3e-6 on Qwen3-MoE);
+# 1e-4 leaves margin and still catches any real error (one wrong FP8 code or scale tile moves logprobs
+# by > 1e-3 at these sizes).
+LOGPROB_ATOL_FP32 = 1e-4
+# bf16 runs (Qwen3.5): the twin holds the weights rounded to bf16 and every activation is rounded to
+# bf16 in both runs, while neuron-w8 computes experts from the exact weights in fp32: the per-token
+# difference is a few bf16 ulps of the hidden state carried through two layers to the logits.
+LOGPROB_ATOL_BF16 = 0.25
+# ... and its mean over all prompt tokens must be much smaller (no systematic bias).
+LOGPROB_MEAN_ATOL_BF16 = 0.05
+
+PROMPTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "Mixture of experts models route every token to a few experts out of many.",
+    "What is the capital of France? Paris is the capital of France.",
+]
+
+# case -> (tiny_models architecture, fmt, scale dtype, vLLM dtype, dense_mla)
+CASES = {
+    "qwen3-moe-block-bf16scale": ("Qwen3MoeForCausalLM", "block", torch.bfloat16, "float32", False),
+    "qwen3.5-moe-block": ("Qwen3_5MoeForConditionalGeneration", "block", torch.bfloat16, "bfloat16", False),
+    "qwen3.5-moe-text-fp16scale": ("Qwen3_5MoeForCausalLM", "block", torch.float16, "bfloat16", False),
+    "glm4-moe-block-fp32scale": ("Glm4MoeForCausalLM", "block", torch.float32, "float32", False),
+    "glm4-moe-channel": ("Glm4MoeForCausalLM", "channel", torch.bfloat16, "float32", False),
+    "glm5-block-dense-mla": ("GlmMoeDsaForCausalLM", "block", torch.float32, "float32", True),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tiny_checkpoint, tiny_twin, tmp_path_factory):
+    """One child per case: the neuron-w8 run, then the twin's."""
+    name = request.param
+    arch, fmt, scale_dtype, dtype, dense = CASES[name]
+    ckpt = tiny_checkpoint(arch, fmt, scale_dtype=scale_dtype)
+    twin = tiny_twin(arch, fmt, dtype=torch.float32, scale_dtype=scale_dtype)
+    runs = [{"name": "neuron-w8", "model": str(ckpt), "dense_mla": dense, "llm": {"quantization": "neuron-w8", "dtype": dtype}},
+            {"name": "twin", "model": str(twin), "dense_mla": dense, "llm": {"dtype": dtype}}]
+    results = run_models_child({"runs": runs, "prompts": PROMPTS, "max_tokens": 6, "max_model_len": 128},
+                               tmp_path_factory.mktemp(name), timeout=1500)
+    return name, results
+
+
+def _entry(results, name):
+    entry = results.get(name)
+    assert entry is not None, f"run {name} did not happen; child log:\n{results['_log']}"
+    assert "error" not in entry, f"run {name} failed: {entry['error']}\n{entry.get('traceback', '')}"
+    return entry
+
+
+def test_prompt_logprobs_match_dequantised_twin(case):
+    case, results = case
+    quant, twin = _entry(results, "neuron-w8"), _entry(results, "twin")
+    assert quant["finite"] and twin["finite"]
+    diffs = [abs(a - b) for qa, ta in zip(quant["prompt_logprobs"], twin["prompt_logprobs"]) for a, b in zip(qa, ta)]
+    assert len(diffs) == sum(len(t) for t in twin["prompt_logprobs"]) > 30
+    worst, mean = max(diffs), sum(diffs) / len(diffs)
+    if CASES[case][3] == "float32":
+        assert worst <= LOGPROB_ATOL_FP32, f"{case}: max |dlogprob| {worst:.3g} > {LOGPROB_ATOL_FP32} (mean {mean:.3g})"
+    else:
+        assert worst <= LOGPROB_ATOL_BF16, f"{case}: max |dlogprob| {worst:.3g} > {LOGPROB_ATOL_BF16} (mean {mean:.3g})"
+        assert mean <= LOGPROB_MEAN_ATOL_BF16, f"{case}: mean |dlogprob| {mean:.3g} > {LOGPROB_MEAN_ATOL_BF16}"
+    # The logprobs are informative (not flat): a random-weight model far from uniform over the vocabulary.
+    uniform = -math.log(512)
+    assert any(abs(v - uniform) > 1.0 for row in twin["prompt_logprobs"] for v in row)
+
+
+def test_offline_generate(case):
+    case, results = case
+    quant, twin = _entry(results, "neuron-w8"), _entry(results, "twin")
+    assert all(len(t) == 6 for t in quant["tokens"]), quant["tokens"]
+    if CASES[case][3] == "float32":
+        # Same weights, fp32: greedy decoding must pick the same tokens.
+        assert quant["tokens"] == twin["tokens"], (quant["text"], twin["text"])
