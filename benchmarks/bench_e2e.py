@@ -150,6 +150,7 @@ def main(argv=None):
     for name in a.variants:
         print(f"running {name} ...", flush=True)
         results["variants"][name] = run_variant(name, models[name], a, a.dir)
+        print(f"  {name}: {json.dumps(results['variants'][name])}", flush=True)
     v = results["variants"]
     base = v.get("bf16-twin")
     print(f"\nmodel: Qwen3-MoE layout, {a.layers} layers, H {a.hidden}, I {a.inter}, E {a.experts}, top-{a.top_k}; "
