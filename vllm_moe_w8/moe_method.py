@@ -283,6 +283,15 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
             return
         from vllm_moe_w8 import neuron_binding
 
+        supports = getattr(neuron_binding, "supports", None)
+        if supports is not None:
+            ok, why = supports(self.block[0], self.block[1], self.code_format)
+            if not ok:
+                raise ValueError(
+                    f"neuron-w8: {self.prefix} (mode {self.mode}, scale tile {self.block}, codes {self.code_format}) has no NKI "
+                    f"kernel on this Neuron device: {why}. Use mode pow2 or output-block, or expert parallelism instead of a "
+                    "TP split that refines the tile"
+                )
         neuron_binding.prepare_weights(
             layer.w13_weight, getattr(layer, f"w13_{self.suffix}"), layer.w2_weight, getattr(layer, f"w2_{self.suffix}"),
             self.block[0], self.block[1], self.code_format,
