@@ -51,22 +51,26 @@ class Server:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server's whole process tree (API server, EngineCore, workers)."""
+    def rss_by_process(self) -> dict[str, int]:
+        """Resident memory of each process of the server's tree (API server, EngineCore, workers), by 'pid name'."""
         import psutil
 
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root] + root.children(recursive=True)
         except psutil.NoSuchProcess:
-            return 0
-        total = 0
+            return {}
+        out = {}
         for p in procs:
             try:
-                total += p.memory_info().rss
+                out[f"{p.pid} {' '.join(p.cmdline()[:3])[-60:]}"] = p.memory_info().rss
             except psutil.NoSuchProcess:
                 pass
-        return total
+        return out
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server's whole process tree."""
+        return sum(self.rss_by_process().values())
 
     def log_tail(self, n: int = 4000) -> str:
         try:
@@ -90,12 +94,14 @@ class Server:
 
 
 def start_server(model: str, *, max_model_len: int = 512, max_num_seqs: int = 64, extra_args=(), env=None,
-                 log_path: Path | None = None) -> Server:
-    """``vllm serve MODEL --quantization neuron-w8`` on 127.0.0.1 and a free port (the vllm beside sys.executable)."""
+                 log_path: Path | None = None, quantization: str | None = "neuron-w8") -> Server:
+    """``vllm serve MODEL --quantization neuron-w8`` on 127.0.0.1 and a free port (the vllm beside sys.executable).
+    ``quantization=None`` serves an unquantised model (e.g. the exactly dequantised twin) for comparison."""
     port = free_port()
     exe = Path(sys.executable).with_name("vllm")
     log_path = log_path or Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
-    cmd = [str(exe), "serve", str(model), "--quantization", "neuron-w8", "--host", "127.0.0.1", "--port", str(port),
+    quant = ["--quantization", quantization] if quantization else []
+    cmd = [str(exe), "serve", str(model), *quant, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", MODEL_NAME, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
            "--enforce-eager", *extra_args]
     full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
