@@ -32,10 +32,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 LOGPROB_ATOL_FP32 = 1e-4
 # bf16 runs (Qwen3.5): the twin holds the weights rounded to bf16 and every activation is rounded to
 # bf16 in both runs, while neuron-w8 computes experts from the exact weights in fp32: the per-token
-# difference is a few bf16 ulps of the hidden state carried through two layers to the logits.
-LOGPROB_ATOL_BF16 = 0.25
-# ... and its mean over all prompt tokens must be much smaller (no systematic bias).
-LOGPROB_MEAN_ATOL_BF16 = 0.05
+# difference is a few bf16 ulps of the hidden state carried through two layers to the logits
+# (measured on Qwen3.5-MoE: max 0.031, mean 0.008; a wrong expert or scale tile costs > 0.5).
+LOGPROB_ATOL_BF16 = 0.1
+# ... and its mean over all prompt tokens must be smaller still (no systematic bias).
+LOGPROB_MEAN_ATOL_BF16 = 0.025
 
 PROMPTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
