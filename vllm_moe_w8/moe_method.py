@@ -12,6 +12,12 @@ filled by vLLM's TP/EP-aware ``RoutedExperts.weight_loader``, wrapped so that
 
 EP: each rank allocates, loads and repacks only its local experts (vLLM's loader skips the others).
 
+Completeness: the wrappers record every (local expert, w1/w3/w2, weight|scale) that vLLM's loader
+accepted (a bool grid per layer; TP ranks receive their slice of every expert, EP ranks only their
+local experts). :meth:`process_weights_after_loading` refuses the load, naming the checkpoint tensor,
+if any never arrived: a tensor listed in the index but absent from its shard, or a weight without its
+scale, would otherwise keep the parameter's initial zeros / ones and be served as garbage.
+
 After loading, :meth:`process_weights_after_loading` repacks every local expert with
 :func:`vllm_moe_w8.fp8.repack` in the user's mode (pow2 default, output-block, lut; converted
 checkpoints are already final), runs the numerics self-check on a few sampled experts (on by
@@ -38,6 +44,8 @@ from vllm_moe_w8.quant_config import NeuronW8Config, runtime_settings
 logger = init_logger("vllm.neuron_w8")
 
 SHARD_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+SHARD_INDEX = {"w1": 0, "w3": 1, "w2": 2}
+LOADED_WEIGHT, LOADED_SCALE = 0, 1
 POW2_RNE_ERROR = 2.0**-9  # pow2: a rounded odd subnormal moves by 2**-9 x the checkpoint block scale
 # Both sides of the comparison are fp32 products code x scale, each rounded once (fp32 scales are
 # arbitrary, e.g. GLM's): a rounded value may exceed the exact bound by a few fp32 ulps of a value
@@ -116,6 +124,9 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         self.load_block = self.ckpt_block
         self.block = self.ckpt_block  # tile of the stored grids after processing
         self.processed = False
+        # [local expert, shard w1/w3/w2, weight|scale]: which checkpoint tensors vLLM's loader accepted.
+        self.loaded = torch.zeros(0, 3, 2, dtype=torch.bool)
+        self.expect_checkpoint_loads = _loads_from_checkpoint()
 
     # ---- weights --------------------------------------------------------------------------------
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
@@ -132,6 +143,7 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         self.num_local, self.hidden, self.inter, self.tp_size = num_experts, hidden, inter, tp
         self.inter_full = inter * tp
         self.load_block = rank_block(self.ckpt_block, inter, tp)
+        self.loaded = torch.zeros(num_experts, 3, 2, dtype=torch.bool)
         bn, bk = self.load_block
         g_i, g_h = math.ceil(inter / bn), (1 if bk == 0 else math.ceil(hidden / bk))
         g_h2, g_i2 = math.ceil(hidden / bn), (1 if bk == 0 else math.ceil(inter / bk))
@@ -139,6 +151,8 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         layer.orig_dtype = params_dtype
 
         vllm_loader = extra_weight_attrs.pop("weight_loader")
+        # vLLM's loader is the layer's bound method; its global -> local expert map tells us what arrived.
+        self._to_local = getattr(getattr(vllm_loader, "__self__", None), "_map_global_expert_id_to_local_expert_id", None)
         attrs = dict(extra_weight_attrs)
 
         def param(data, loader):
@@ -183,7 +197,9 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
     def _weight_loader(self, vllm_loader):
         def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
             codes = as_codes(loaded_weight, self._ckpt_name(shard_id, expert_id, "weight"))
-            return vllm_loader(param=param, loaded_weight=codes, weight_name=weight_name, shard_id=shard_id, expert_id=expert_id, return_success=return_success)
+            ok = vllm_loader(param=param, loaded_weight=codes, weight_name=weight_name, shard_id=shard_id, expert_id=expert_id, return_success=True)
+            self._record(ok, codes, shard_id, expert_id, LOADED_WEIGHT)
+            return ok if return_success else None
 
         load.supports_moe_loading = True
         return load
@@ -195,10 +211,40 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
                 raise ValueError(f"neuron-w8: scale tensor {name} has dtype {loaded_weight.dtype}; expected float32, bfloat16 or float16")
             full = (self.inter_full, self.hidden) if shard_id in ("w1", "w3") else (self.hidden, self.inter_full)
             grid = regrid_scales(loaded_weight.float(), full, self.ckpt_block, self.load_block, name)
-            return vllm_loader(param=param, loaded_weight=grid, weight_name=weight_name, shard_id=shard_id, expert_id=expert_id, return_success=return_success)
+            ok = vllm_loader(param=param, loaded_weight=grid, weight_name=weight_name, shard_id=shard_id, expert_id=expert_id, return_success=True)
+            self._record(ok, grid, shard_id, expert_id, LOADED_SCALE)
+            return ok if return_success else None
 
         load.supports_moe_loading = True
         return load
+
+    def _record(self, ok, loaded: torch.Tensor, shard_id: str, expert_id: int, kind: int) -> None:
+        """Note that vLLM's loader accepted ``shard_id`` of global expert ``expert_id`` (all experts if 3-D)."""
+        if not ok or shard_id not in SHARD_INDEX:
+            return
+        if loaded.dim() == 3:  # a fused [E, ...] tensor fills every local expert at once
+            self.loaded[:, SHARD_INDEX[shard_id], kind] = True
+            return
+        local = int(self._to_local(expert_id)) if self._to_local is not None else int(expert_id)
+        if 0 <= local < self.loaded.shape[0]:
+            self.loaded[local, SHARD_INDEX[shard_id], kind] = True
+
+    def _check_all_loaded(self, layer) -> None:
+        """Refuse a layer some of whose expert weights or scales never arrived (they would be served as 0 / 1)."""
+        if not self.expect_checkpoint_loads or bool(self.loaded.all()):
+            return
+        global_ids = self._global_ids(layer)
+        missing = []
+        for local, shard, kind in (~self.loaded).nonzero().tolist():
+            shard_id = ("w1", "w3", "w2")[shard]
+            missing.append(self._ckpt_name(shard_id, global_ids[local], "weight" if kind == LOADED_WEIGHT else self.suffix))
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ValueError(
+            f"neuron-w8: {len(missing)} routed-expert tensor(s) of {self.prefix} never arrived from the checkpoint: {shown}. "
+            "Without them the layer would serve zeros (weights) or unit scales. Check that model.safetensors.index.json "
+            "lists them and that their shard holds them: re-download the shard (or the whole checkpoint), or re-export "
+            "/ re-convert it"
+        )
 
     def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig | None:
         return FusedMoEQuantConfig.make()
@@ -224,6 +270,7 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         if self.processed:
             return
         t0 = time.perf_counter()
+        self._check_all_loaded(layer)
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         s13, s2 = getattr(layer, f"w13_{self.suffix}").data, getattr(layer, f"w2_{self.suffix}").data
         inter, block = self.inter, self.load_block
@@ -384,6 +431,18 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
             layer.w2_weight, getattr(layer, f"w2_{self.suffix}"),
             self.block[0], self.block[1], self.code_format, "silu", float(limit or 0.0),
         )
+
+
+def _loads_from_checkpoint() -> bool:
+    """False under ``load_format='dummy'`` (vLLM fills random weights without calling the loaders)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vc = get_current_vllm_config_or_none()
+    except ImportError:  # pragma: no cover - vLLM without this helper
+        return True
+    load_format = getattr(getattr(vc, "load_config", None), "load_format", None)
+    return str(getattr(load_format, "value", load_format) or "").lower() != "dummy"
 
 
 def _rows_scale(got, proj, layer, method, e):

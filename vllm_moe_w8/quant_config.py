@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -216,6 +218,45 @@ def check_architecture(hf_config: Any) -> None:
         )
 
 
+def validate_local_checkpoint(model: Any, fmt: CheckpointFormat) -> None:
+    """Header-only check of a local checkpoint folder: fail fast, naming shard file and tensor.
+
+    Catches what vLLM's own loader reports without the file name (truncated or garbled shards) or does
+    not report at all (a tensor the index lists but its shard lacks, an expert weight without its scale:
+    the parameter would keep its initial zeros / ones). Reads the index and each shard's JSON header
+    (:class:`vllm_moe_w8.checkpoint.Checkpoint`), never tensor data. A hub id, or a folder without
+    safetensors files, is left to vLLM (the MoE method's loader-side check still covers its experts).
+    """
+    from vllm_moe_w8 import checkpoint as ck
+
+    path = Path(str(model)).expanduser() if model else None
+    if path is None or not path.is_dir() or not (
+        (path / ck.INDEX_NAME).is_file() or any(path.glob("*.safetensors"))
+    ):
+        return
+    t0 = time.perf_counter()
+    try:
+        ckpt = ck.Checkpoint(path)
+    except ck.CheckpointError as exc:
+        raise ck.CheckpointError(f"neuron-w8: checkpoint {path} cannot be read: {exc}") from exc
+    problems = list(ckpt.problems)
+    for en, info in ckpt.experts():
+        listed = any(f"{en.stem}.{suffix}" in ckpt.weight_map for suffix in ("weight_scale_inv", "weight_scale"))
+        if en.suffix == "weight" and info.dtype in ("F8_E4M3", "U8") and not listed:  # listed but absent: in .problems
+            problems.append(
+                f"{path / info.file}: tensor '{en.name}' has no scale: '{en.stem}.{fmt.expert_scale_suffix}' is not in "
+                f"the checkpoint (its index {ck.INDEX_NAME} does not list it)"
+            )
+    if problems:
+        shown = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+        raise ck.CheckpointError(
+            f"neuron-w8: checkpoint {path} is incomplete or corrupt: {shown}. Re-download the named file(s), or "
+            "re-export / re-convert the checkpoint; nothing was loaded"
+        )
+    logger.debug("neuron-w8: checked %d shard headers (%d tensors) of %s in %.3f s",
+                 len(ckpt.shard_files), len(ckpt.tensors), path, time.perf_counter() - t0)
+
+
 def _auto_enabled() -> bool:
     return os.environ.get(AUTO_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -279,8 +320,10 @@ class NeuronW8Config(QuantizationConfig):
         return None
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None):
+        """vLLM calls this with the model path while it builds its config, before any engine or weight load."""
         if hf_config is not None:
             check_architecture(hf_config)
+        validate_local_checkpoint(model_name, self.format)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         plain = [p for p in self.ignored if not p.startswith("re:")]
