@@ -213,20 +213,90 @@ def test_self_check_off_switches(ckpt, monkeypatch):
     load_layer(layer, ckpt)
 
 
-@pytest.mark.parametrize("skip", ["weight", "scale"])
-def test_layer_refuses_an_expert_tensor_that_was_never_loaded(ckpt, skip):
-    """Feed every expert tensor but one (expert 2's up_proj weight or scale) through the layer's loaders."""
-    from _plugin_fixtures import PREFIX, make_layer, quant_config_for
+def _feed_all_but(layer, ckpt, skipped):
+    """Feed every expert tensor through the layer's loaders except ``skipped`` = (global expert, shard, 'weight'|'scale')."""
+    from _plugin_fixtures import PREFIX
 
-    layer = make_layer(quant_config_for("block"), ckpt)
     for (e, shard), w in ckpt.weights.items():
         stem = "w2" if shard == "w2" else "w13"
-        for suffix, tensor in (("weight", w), (ckpt.scale_suffix, ckpt.scales[e, shard])):
-            if (e, shard) == (2, "w3") and (suffix == "weight") == (skip == "weight"):
+        for kind, suffix, tensor in (("weight", "weight", w), ("scale", ckpt.scale_suffix, ckpt.scales[e, shard])):
+            if (e, shard, kind) == skipped:
                 continue
             param = getattr(layer, f"{stem}_{suffix}")
             param.weight_loader(param=param, loaded_weight=tensor, weight_name=f"{PREFIX}.{stem}_{suffix}", shard_id=shard,
                                 expert_id=e, return_success=True)
-    name = "weight" if skip == "weight" else ckpt.scale_suffix
+
+
+@pytest.fixture(scope="module")
+def ckpt_channel():
+    from _plugin_fixtures import make_checkpoint
+
+    return make_checkpoint(num_experts=4, hidden=256, inter=384, fmt="channel")
+
+
+# (tp, ep) of the layer under test: single rank, TP rank 1 of 2 (a slice of every expert), EP rank 1 of 2 (experts 2, 3).
+PARALLEL = {"single": dict(), "tp2_rank1": dict(tp=(2, 1)), "ep2_rank1": dict(ep=(2, 1))}
+
+
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+@pytest.mark.parametrize("fmt", ["block", "channel"])
+@pytest.mark.parametrize("skip", ["weight", "scale"])
+def test_layer_refuses_an_expert_tensor_that_was_never_loaded(ckpt, ckpt_channel, skip, fmt, parallel):
+    """Every expert tensor but one (expert 2's up_proj weight or scale) reaches the layer: the load is refused, naming it."""
+    from _plugin_fixtures import PREFIX, make_layer, quant_config_for
+
+    data = ckpt if fmt == "block" else ckpt_channel
+    layer = make_layer(quant_config_for(fmt), data, **PARALLEL[parallel])
+    _feed_all_but(layer, data, (2, "w3", skip))
+    name = "weight" if skip == "weight" else data.scale_suffix
     with pytest.raises(ValueError, match=rf"{PREFIX}\.2\.up_proj\.{name}\b.*re-download"):
         layer.quant_method.process_weights_after_loading(layer)
+
+
+def test_layer_accepts_a_complete_load_and_ignores_other_ranks_experts(ckpt):
+    """EP rank 0 of 2 holds experts 0, 1: a checkpoint tensor of expert 2 is another rank's business."""
+    from _plugin_fixtures import make_layer, quant_config_for
+
+    layer = make_layer(quant_config_for("block"), ckpt, ep=(2, 0))
+    _feed_all_but(layer, ckpt, (2, "w3", "weight"))
+    layer.quant_method.process_weights_after_loading(layer)
+    assert bool(layer.quant_method.loaded.all()) and layer.quant_method.loaded.shape[0] == 2
+
+
+# ---- the up-front, header-only checkpoint check (NeuronW8Config.maybe_update_config; no vLLM start-up) -----------
+
+@pytest.mark.parametrize("fmt", ["block", "channel", "converted"])
+@pytest.mark.parametrize("case", ["weight_not_in_shard", "scale_not_in_checkpoint"])
+def test_checkpoint_check_names_a_missing_expert_tensor(tiny_checkpoint, tmp_path, fmt, case):
+    import json
+
+    import corrupt as C
+
+    from vllm_moe_w8.checkpoint import quantization_config
+    from vllm_moe_w8.convert import convert_checkpoint
+    from vllm_moe_w8.quant_config import NeuronW8Config
+
+    base = tiny_checkpoint("qwen3-moe", fmt="channel" if fmt == "channel" else "block")
+    if fmt == "converted":
+        summary = convert_checkpoint(base, tmp_path / "converted", mode="pow2", progress=False)
+        assert summary["ok"], summary
+        base = tmp_path / "converted"
+    path = C.copy_checkpoint(base, tmp_path / "broken")
+
+    def config():
+        return NeuronW8Config.from_config(quantization_config(json.loads((path / "config.json").read_text())))
+
+    config().maybe_update_config(str(path))  # intact: accepted
+    suffix = "weight" if case == "weight_not_in_shard" else C.scale_suffix(path)
+    name = C.expert_name(path, suffix)
+    shard = C.drop_tensor(path, name, keep_in_index=case == "weight_not_in_shard")
+    with pytest.raises(ValueError) as info:
+        config().maybe_update_config(str(path))
+    text = str(info.value)
+    assert name in text and shard in text and "re-download" in text.lower(), text
+
+
+def test_checkpoint_check_skips_a_hub_id():
+    from _plugin_fixtures import quant_config_for
+
+    quant_config_for("block").maybe_update_config("Qwen/Qwen3-30B-A3B-FP8")  # not a local folder: left to the loaders

@@ -250,8 +250,8 @@ def validate_local_checkpoint(model: Any, fmt: CheckpointFormat) -> None:
     if problems:
         shown = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
         raise ck.CheckpointError(
-            f"neuron-w8: checkpoint {path} is incomplete or corrupt: {shown}. Re-download the named file(s), or "
-            "re-export / re-convert the checkpoint; nothing was loaded"
+            f"neuron-w8: checkpoint {path} is incomplete or corrupt (nothing was loaded): {shown} -- re-download the "
+            "named file(s), or re-export / re-convert the checkpoint"
         )
     logger.debug("neuron-w8: checked %d shard headers (%d tensors) of %s in %.3f s",
                  len(ckpt.shard_files), len(ckpt.tensors), path, time.perf_counter() - t0)
