@@ -46,6 +46,8 @@ SUMMATION_RTOL = 1e-5
 # (each <= 2**-9 x its block scale): measured ~1e-6 of max|out| in test_plugin_moe_layer.
 EXACT_MODE_RTOL = 1e-5
 PROJS = ("gate_proj", "up_proj", "down_proj")
+# vLLM's fp32 CPU GEMM over K=256 vs a float64 product of the same (exactly dequantised) weights.
+GEMM_RTOL = 1e-5
 
 
 def tiny_config() -> dict:
@@ -181,10 +183,10 @@ def test_every_expert_tensor_lands_in_the_model(loaded_model, checkpoint):
     assert not hasattr(dense, "experts"), "layer 0 is 'dense' in mlp_layer_types"
 
 
-def test_stored_experts_are_the_pow2_repack_of_the_checkpoint(loaded_model, checkpoint):
-    naming, model, loaded, moe_layers = loaded_model
-    experts, _ = checkpoint
+def assert_pow2_repack(moe_layers: dict, experts: dict, where: str) -> None:
+    """Every MoE layer's stored codes/scales == fp8.repack(checkpoint tensor, "pow2"), bit for bit."""
     g_i = math.ceil(INTER / BLOCK[0])
+    assert sorted(moe_layers) == SPARSE_LAYERS
     for layer, module in moe_layers.items():
         method = module.quant_method
         assert (method.mode, method.code_format, tuple(method.block)) == ("pow2", "e4m3", BLOCK)
@@ -196,15 +198,20 @@ def test_stored_experts_are_the_pow2_repack_of_the_checkpoint(loaded_model, chec
         for e in range(EXPERTS):
             want = {proj: fp8.repack(*experts[layer, e, proj], "pow2", BLOCK) for proj in PROJS}
             raw_bytes_kept += torch.equal(w13[e, :INTER], experts[layer, e, "gate_proj"][0].view(torch.uint8))
-            where = f"{naming} layer {layer} expert {e}"
-            assert torch.equal(w13[e, :INTER], want["gate_proj"].codes), where
-            assert torch.equal(w13[e, INTER:], want["up_proj"].codes), where
-            assert torch.equal(w2[e], want["down_proj"].codes), where
-            assert torch.equal(s13[e, :g_i], want["gate_proj"].scale_grid), where
-            assert torch.equal(s13[e, g_i:], want["up_proj"].scale_grid), where
-            assert torch.equal(s2[e], want["down_proj"].scale_grid), where
+            at = f"{where} layer {layer} expert {e}"
+            assert torch.equal(w13[e, :INTER], want["gate_proj"].codes), at
+            assert torch.equal(w13[e, INTER:], want["up_proj"].codes), at
+            assert torch.equal(w2[e], want["down_proj"].codes), at
+            assert torch.equal(s13[e, :g_i], want["gate_proj"].scale_grid), at
+            assert torch.equal(s13[e, g_i:], want["up_proj"].scale_grid), at
+            assert torch.equal(s2[e], want["down_proj"].scale_grid), at
         # The comparison above is not vacuous: the repack really rewrote the checkpoint's bytes.
-        assert raw_bytes_kept == 0, f"{naming} layer {layer}: experts still hold the checkpoint's E4M3FN bytes"
+        assert raw_bytes_kept == 0, f"{where} layer {layer}: experts still hold the checkpoint's E4M3FN bytes"
+
+
+def test_stored_experts_are_the_pow2_repack_of_the_checkpoint(loaded_model, checkpoint):
+    naming, model, loaded, moe_layers = loaded_model
+    assert_pow2_repack(moe_layers, checkpoint[0], naming)
 
 
 def test_routed_experts_forward_matches_references(loaded_model, checkpoint):
@@ -233,3 +240,75 @@ def test_routed_experts_forward_matches_references(loaded_model, checkpoint):
             up = (dense["up_proj"][e] @ x[t].double()).clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
             want[t] += float(w[t, j]) * (dense["down_proj"][e] @ (torch.nn.functional.silu(gate) * up))
     assert rel_err(out, want) < EXACT_MODE_RTOL
+
+
+# KDA's fused in_proj_qkvbfg_a, in the order of the model's stacked_params_mapping: checkpoint name -> rows
+# (q/k/v: linear_num_heads * linear_head_dim; b: one per head; f_a/g_a: linear_head_dim).
+KDA_SPLIT = (("q_proj", 256), ("k_proj", 256), ("v_proj", 256), ("b_proj", 4), ("f_a_proj", 64), ("g_a_proj", 64))
+
+
+def complete_checkpoint(params: dict, experts: dict, seed: int = 5) -> dict:
+    """A checkpoint (CausalLM naming) for *every* model parameter: FP8 + block scales where GLM-5.3-Flash
+    stores FP8 (experts, shared experts, dense MLP), KDA's projections unfused, the rest as the model holds it.
+    Non-expert shapes are read from the model's own parameters (no real checkpoint to copy them from)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+
+    def fp8_linear(stem, shape):
+        out[f"{stem}.weight"], out[f"{stem}.weight_scale_inv"] = tiny_models.quantize_block(torch.randn(shape, generator=gen) * 0.05, torch.float32)
+
+    for name, p in params.items():
+        if ".routed_experts." in name or name.endswith(".weight_scale_inv"):
+            continue
+        if name.endswith(".gate_up_proj.weight"):
+            stem = name.removesuffix(".gate_up_proj.weight")
+            fp8_linear(f"{stem}.gate_proj", (p.shape[0] // 2, p.shape[1]))
+            fp8_linear(f"{stem}.up_proj", (p.shape[0] // 2, p.shape[1]))
+        elif name.endswith("mlp.down_proj.weight") or name.endswith("shared_experts.down_proj.weight"):
+            fp8_linear(name.removesuffix(".weight"), tuple(p.shape))
+        elif name.endswith(".in_proj_qkvbfg_a.weight"):
+            assert p.shape[0] == sum(rows for _, rows in KDA_SPLIT)
+            stem = name.removesuffix(".in_proj_qkvbfg_a.weight")
+            for sub, rows in KDA_SPLIT:
+                out[f"{stem}.{sub}.weight"] = torch.randn(rows, p.shape[1], generator=gen).to(torch.bfloat16)
+        else:
+            fp32 = any(k in name for k in ("hc_", "A_log", "dt_bias", "e_score_correction_bias"))
+            out[name] = torch.randn(tuple(p.shape), generator=gen).to(torch.float32 if fp32 else torch.bfloat16)
+    out.update(dict(checkpoint_items(experts, {}, "model")))
+    return out
+
+
+def test_complete_checkpoint_loads_every_parameter_through_vllms_loader(glm5next, checkpoint):
+    """Every parameter fed (not only experts), then vLLM's own process_weights_after_loading over all modules."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.models.glm5next import Glm5NextForCausalLM
+
+    from vllm_moe_w8.moe_method import NeuronW8MoEMethod
+
+    experts, _ = checkpoint
+    with set_current_vllm_config(glm5next):
+        model = Glm5NextForCausalLM(vllm_config=glm5next, prefix="complete")
+        params = dict(model.named_parameters())
+        ckpt = complete_checkpoint(params, experts)
+        loaded = model.load_weights(iter(ckpt.items()))
+        assert set(params) - loaded == set(), "parameters the checkpoint did not reach"
+        # KDA (checked before processing, which repacks it): the six unfused checkpoint projections were
+        # stacked into in_proj_qkvbfg_a in the order of the model's stacked_params_mapping.
+        kda = model.model.layers[0].self_attn
+        want = torch.cat([ckpt[f"model.layers.0.self_attn.{sub}.weight"] for sub, _ in KDA_SPLIT]).float()
+        assert torch.equal(kda.in_proj_qkvbfg_a.weight.data, want)
+        assert torch.equal(model.model.layers[0].hc_attn_fn.data, ckpt["model.layers.0.hc_attn_fn"])
+        process_weights_after_loading(model, glm5next.model_config, torch.device("cpu"))
+
+    moe_layers = {int(n.split(".")[2]): m for n, m in model.named_modules() if isinstance(getattr(m, "quant_method", None), NeuronW8MoEMethod)}
+    assert_pow2_repack(moe_layers, experts, "complete checkpoint")
+
+    layer0 = model.model.layers[0]
+    # Dense MLP (layer 0, "dense" in mlp_layer_types): FP8 gate/up dequantised by neuron-w8's linear method and
+    # handed to vLLM's CPU GEMM (which repacks the weight, so it is checked through the layer's output).
+    want = torch.cat([tiny_models.dequantize_exact(ckpt[f"model.layers.0.mlp.{p}.weight"], ckpt[f"model.layers.0.mlp.{p}.weight_scale_inv"], BLOCK) for p in ("gate_proj", "up_proj")])
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(7))
+    with set_current_vllm_config(glm5next):
+        got, _ = layer0.mlp.gate_up_proj(x)
+    assert rel_err(got, x.double() @ want.double().T) < GEMM_RTOL
