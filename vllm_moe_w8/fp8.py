@@ -244,18 +244,22 @@ def count_nan_codes(codes: torch.Tensor) -> int:
     return int(((_as_bytes(codes) & 0x7F) == NAN_MAG).sum())
 
 
-def _check_weight(weight: torch.Tensor, name) -> torch.Tensor:
+def _check_weight(weight: torch.Tensor, name, check_nan: bool = True) -> torch.Tensor:
     if weight.dim() != 2:
         raise ValueError(f"weight{_where(name)} must be 2-D [out, in], got shape {tuple(weight.shape)}")
     codes = _as_bytes(weight)
-    if _has_nan_code(codes):
-        nan = (codes & 0x7F) == NAN_MAG
-        idx = tuple(int(i) for i in nan.nonzero()[0])
-        raise ValueError(
-            f"weight{_where(name)} holds {int(nan.sum())} FP8 NaN code(s) (0x7F/0xFF), first at {idx}; "
-            "a NaN weight would be served as garbage: re-export the checkpoint"
-        )
+    if check_nan and _has_nan_code(codes):
+        _raise_nan(codes, name)
     return codes
+
+
+def _raise_nan(codes: torch.Tensor, name) -> None:
+    nan = (codes & 0x7F) == NAN_MAG
+    idx = tuple(int(i) for i in nan.nonzero()[0])
+    raise ValueError(
+        f"weight{_where(name)} holds {int(nan.sum())} FP8 NaN code(s) (0x7F/0xFF), first at {idx}; "
+        "a NaN weight would be served as garbage: re-export the checkpoint"
+    )
 
 
 def _tiles(x: torch.Tensor, block: tuple[int, int], fill=0) -> torch.Tensor:
@@ -289,7 +293,7 @@ def repack(
     """
     if mode not in MODES:
         raise ValueError(f"unknown repack mode {mode!r}; choose one of {', '.join(MODES)}")
-    codes = _check_weight(weight, name)
+    codes = _check_weight(weight, name, check_nan=mode != "pow2")  # pow2 finds NaN codes in its tile maxima
     shape = (codes.shape[0], codes.shape[1])
     block = resolve_block(shape, tuple(scale.shape), block)
     s = _check_scales(scale, shape, block, name)
@@ -315,7 +319,10 @@ def _repack_pow2(codes, s, block, name) -> Repacked:
     if c.size == 0:
         return Repacked(codes.contiguous(), s.contiguous(), "pow2", block, stats)
     mag = c & 0x7F
-    shift = _tile_max(mag, (bn, bk)) >= FN_ONLY_MIN_MAG  # [gn, gk]
+    tile_max = _tile_max(mag, (bn, bk))
+    if int(tile_max.max()) == NAN_MAG:  # 0x7F is the largest magnitude: a tile holding it holds a NaN code
+        _raise_nan(codes, name)
+    shift = tile_max >= FN_ONLY_MIN_MAG  # [gn, gk]
     n_shift = int(shift.sum())
     if n_shift == 0:
         return Repacked(torch.from_numpy(c.copy()), s.contiguous(), "pow2", block, stats)
