@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from vllm_moe_w8 import fp8
@@ -22,6 +22,8 @@ SCALE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 E4M3_HALF_ULP_REL = 2.0**-4
 # Below the smallest normal (2**-6) e4m3's step is 2**-9: half of it, in units of the block scale.
 E4M3_HALF_SUBNORMAL_STEP = 2.0**-10
+# One float32 rounding, relative (output-block divides the exact weight by its new scale in float32).
+FP32_ULP_REL = 2.0**-23
 
 
 def ml_decode(codes: np.ndarray, dtype) -> np.ndarray:
@@ -116,6 +118,7 @@ def test_pow2_is_exact_but_for_counted_rounding(shape, seed, dtype_i, sparse):
 
 @settings(max_examples=25, deadline=None)
 @given(shape=shapes, seed=st.integers(0, 2**31 - 1), dtype_i=st.integers(0, 2))
+@example(shape=(281, 12), seed=766, dtype_i=0)  # a float32 w/s landing on an exact subnormal tie
 def test_output_block_requantises_within_half_a_step(shape, seed, dtype_i):
     rng = np.random.default_rng(seed)
     n, k = shape
@@ -131,7 +134,8 @@ def test_output_block_requantises_within_half_a_step(shape, seed, dtype_i):
     # each row block's largest magnitude maps to (about) 240
     amax = np.abs(exact).reshape(-1, k).max(1)
     np.testing.assert_allclose(np.repeat(r.scales.numpy(), 128)[:n] * fp8.E4M3_MAX, np.maximum.reduceat(amax, np.arange(0, n, 128)).repeat(128)[:n], rtol=1e-6)
-    bound = np.maximum(np.abs(exact) * E4M3_HALF_ULP_REL, s_rows * E4M3_HALF_SUBNORMAL_STEP) * (1 + 1e-6)
+    # half a step, plus the float32 rounding of the requantiser's w / s (an exact tie can land either side)
+    bound = np.maximum(np.abs(exact) * E4M3_HALF_ULP_REL, s_rows * E4M3_HALF_SUBNORMAL_STEP) * (1 + 1e-6) + np.abs(exact) * FP32_ULP_REL
     assert np.all(np.abs(got - exact) <= bound)
     got32 = fp8.dequantize(r).numpy()
     np.testing.assert_array_equal(got32, got.astype(np.float32))  # an fp32 product is the rounded exact one
