@@ -9,8 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 TESTS_DIR = Path(__file__).parent
+
+# CI (CI=true) replays the same hypothesis examples every run, so a red CI is reproducible and never a coin toss;
+# local runs keep exploring new examples (and store failures in .hypothesis/ for replay).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")
