@@ -99,12 +99,23 @@ def halve_codes(codes: torch.Tensor) -> torch.Tensor:
     (subnormal m -> m, smallest normal 1.m -> 8 + m), so the half is ``mag / 2`` in the same units,
     rounded half to even, and that unit count is again its own code (8 -> 0x08, the smallest normal).
     """
-    codes = _as_bytes(codes)
-    mag = codes & 0x7F
-    half = mag >> 1
-    small = half + (mag & half & 1)  # round half to even
-    small = small | (codes & 0x80)
-    return torch.where(mag >= 0x10, codes - 8, small)
+    c = _np_bytes(codes)
+    out, _ = _halve_bytes(c, c & 0x7F)
+    return torch.from_numpy(out).reshape(codes.shape)
+
+
+def _halve_bytes(c: np.ndarray, mag: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`halve_codes` on numpy bytes (``mag = c & 0x7F``); also the flat indices of magnitudes < 0x10.
+
+    Every byte is halved as a normal (``code - 8``); the few magnitudes below 0x10 are then fixed up
+    sparsely (real checkpoints have almost none), which keeps this to a few passes over the bytes.
+    """
+    out = c - np.uint8(8)
+    small = np.flatnonzero(mag < 0x10)
+    m = mag.ravel()[small]
+    half = m >> 1
+    out.ravel()[small] = (half + (m & half & 1)) | (c.ravel()[small] & 0x80)  # round half to even
+    return out, small
 
 
 @dataclass
@@ -308,9 +319,8 @@ def repack(
 def _repack_pow2(codes, s, block, name) -> Repacked:
     """Vectorised in numpy (uint8 elementwise ops there are ~5x torch's on CPU); no loop over tiles.
 
-    Real checkpoints shift nearly every tile, so every byte is halved first (``code - 8``, right for
-    magnitudes >= 0x10), the rare small magnitudes are fixed up sparsely, and the tiles that must not
-    shift (if any) get their original bytes back.
+    Real checkpoints shift nearly every tile, so every byte is halved first (:func:`_halve_bytes`) and
+    the tiles that must not shift (if any) get their original bytes back.
     """
     n, k = codes.shape
     bn, bk = block[0], block[1] or k
@@ -328,11 +338,8 @@ def _repack_pow2(codes, s, block, name) -> Repacked:
         return Repacked(torch.from_numpy(c.copy()), s.contiguous(), "pow2", block, stats)
     shift_t = torch.from_numpy(shift)
     new_s = torch.where(shift_t, s * 2.0, s)  # exact: _check_scales refused scales with s * 448 = inf
-    out = c - np.uint8(8)  # exponent field minus one; wrong (fixed below) only for magnitudes < 0x10
-    small = np.flatnonzero(mag < 0x10)
+    out, small = _halve_bytes(c, mag)
     m = mag.ravel()[small]
-    half = m >> 1
-    out.ravel()[small] = (half + (m & half & 1)) | (c.ravel()[small] & 0x80)  # round half to even
     if n_shift < shift.size:
         keep = ~np.repeat(np.repeat(shift, bn, axis=0)[:n], bk, axis=1)[:, :k]
         out[keep] = c[keep]
