@@ -36,15 +36,33 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(exist_ok=True)
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512vbmi",
+             "amx_bf16")
+
+
+def machine_record() -> dict:
+    """What every result must carry: the CPU model, the instruction-set flags that choose kernels, the load."""
     import torch
 
-    payload = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
-        **payload,
-    }
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("unknown", platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpu_model": model, "isa": [f for f in ISA_FLAGS if f in flags],
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """Write ``benchmarks/results/<name>.json`` with :func:`machine_record` (load taken now, at the end)."""
+    RESULTS.mkdir(exist_ok=True)
+    payload = {"machine": machine_record(), **payload}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path}")
