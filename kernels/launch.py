@@ -1,6 +1,7 @@
 """Run the MoE kernels on torch tensors through a simulator: AWS's ``nki.simulate`` when real NKI is
 importable, else the project's interpreter (which also returns the run's counters). Tests and the
-benchmark use this; on a Neuron device the binding (vllm_moe_w8/neuron_binding.py) launches the kernels."""
+benchmark use this; ``vllm_moe_w8.neuron_glue.kernel_launch`` launches the kernels on a Neuron device (and
+through the interpreter with an LNC grid elsewhere)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,6 @@ def simulate_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
                 stats.append(st)
         else:
             out = simulate(kernel)(*args)
-        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+        return torch.from_numpy(np.asarray(out, dtype=np.float32)).sum(dim=0)  # [1, B, H]: one program
 
     return host.run_chunked(launch, x, aff)

@@ -21,7 +21,12 @@ Shape contract (checked on entry, ``ValueError`` naming the tensor otherwise), P
                                               (duplicate routes summed)
     swiglu_limit  float (trace-time constant, default 0): > 0 clamps gate <= limit and |up| <= limit
                                               before SiLU(gate) * up (GLM-5.3-Flash)
-    returns     [T, H]               float32  sum_e affinities[t, e] * W2_e (SiLU(W1_e x_t) * W3_e x_t)
+    returns     [n, T, H]            float32  program p's partial sum over its experts of
+                                              affinities[t, e] * W2_e (SiLU(W1_e x_t) * W3_e x_t);
+                                              the host adds the n partials (n = launch grid = LNC)
+
+Launched as ``kernel[n]`` (n = the LNC the runtime runs at), program p = ``nl.program_id(0)`` takes the
+contiguous expert range [p*ceil(E/n), (p+1)*ceil(E/n)): each weight byte is read by one logical core.
 
 H and I are any multiples of 128. Codes are the op's storage (DEVELOPING.md) re-laid out once at load
 time by ``host.to_kernel_layout`` so that every weight DMA reads 128 partitions x (contraction blocks x
@@ -116,16 +121,19 @@ def _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, mode, swiglu_limit)
     if swiglu_limit < 0:
         _fail(f"swiglu_limit must be >= 0 (0: no clamp), got {swiglu_limit}")
     s["limit"] = swiglu_limit
-    out = nl.ndarray((s["T"], s["H"]), dtype=nl.float32, buffer=nl.shared_hbm)
+    programs = nl.num_programs(axes=0)
+    pid = nl.program_id(axis=0)
+    per_program = (s["E"] + programs - 1) // programs
+    out = nl.ndarray((programs, s["T"], s["H"]), dtype=nl.float32, buffer=nl.shared_hbm)
     ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
     h_t, aff, acc = _load_tokens(hidden, affinities, s)
     sc13_rows = w13_scales.reshape((s["E"], 1, 2 * s["gI"] * s["G13"]))
     sc2_rows = w2_scales.reshape((s["E"], 1, (s["H"] // P) * s["G2"]))
-    for e in nl.sequential_range(s["E"]):
+    for e in nl.sequential_range(pid * per_program, min(s["E"], (pid + 1) * per_program)):
         _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, s, mode)
     for tt in range(s["n_tt"]):
-        nisa.dma_copy(dst=out[tt * s["TT"]:(tt + 1) * s["TT"], :], src=acc[:, tt, :])
+        nisa.dma_copy(dst=out[pid, tt * s["TT"]:(tt + 1) * s["TT"], :], src=acc[:, tt, :])
     return out
 
 

@@ -187,7 +187,7 @@ def test_output_block_kernel_refuses_block_scales():
     args = _small_args("pow2")  # 128x128 block-scale grids
     with pytest.raises(ValueError, match="block-scale grid.*moe_w8_pow2"):
         _run(moe_w8_output_block, args)
-    assert np.array_equal(_run(moe_w8_output_block, _small_args("output-block")), np.zeros((16, 256), np.float32))
+    assert np.array_equal(_run(moe_w8_output_block, _small_args("output-block")), np.zeros((1, 16, 256), np.float32))  # [programs, T, H]
 
 
 def test_pow2_kernel_refuses_output_block_scales_and_bad_shapes():

@@ -15,6 +15,6 @@ FP8 subnormal handling in TensorE (assumed IEEE-like; a device check).
 
 from . import isa, language
 from .machine import NkiValidationError, Stats, Tensor
-from .runtime import Kernel, jit, run, simulate
+from .runtime import Kernel, jit, launch, run, simulate
 
-__all__ = ["isa", "language", "NkiValidationError", "Stats", "Tensor", "Kernel", "jit", "run", "simulate"]
+__all__ = ["isa", "language", "NkiValidationError", "Stats", "Tensor", "Kernel", "jit", "launch", "run", "simulate"]

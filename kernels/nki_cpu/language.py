@@ -44,6 +44,20 @@ def ndarray(shape, dtype, buffer=sbuf, name: str = ""):
     return machine.new_tile(shape, dtype, buffer, name or f"tile{_counter[0]}")
 
 
+def program_id(axis: int = 0) -> int:
+    """Index of this program (logical core) in the launch grid; ``kernel[n]`` runs programs 0..n-1."""
+    if axis != 0:
+        raise machine.NkiValidationError(f"program_id(axis={axis}): the interpreter launches 1-D grids only")
+    return machine.current().program_id
+
+
+def num_programs(axes: int = 0) -> int:
+    """Number of programs in the launch grid (the LNC a kernel is launched with)."""
+    if axes != 0:
+        raise machine.NkiValidationError(f"num_programs(axes={axes}): the interpreter launches 1-D grids only")
+    return machine.current().num_programs
+
+
 def affine_range(*args):
     """Iterations without loop-carried dependencies (the interpreter runs them in order)."""
     return range(*args)

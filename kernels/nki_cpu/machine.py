@@ -71,10 +71,16 @@ class _Allocation:
 class Machine:
     """Live allocation totals and the counters of the current run."""
 
-    def __init__(self):
+    def __init__(self, program_id: int = 0, num_programs: int = 1, shared_hbm: list | None = None):
         self.stats = Stats()
         self.sbuf_bytes = 0
         self.psum_banks = 0
+        # SPMD launch (grid [n]): each program (logical core) has its own SBUF/PSUM and counters; HBM tensors
+        # the kernel allocates are shared, matched by allocation order across the programs of one launch.
+        self.program_id = program_id
+        self.num_programs = num_programs
+        self.shared_hbm = [] if shared_hbm is None else shared_hbm
+        self.hbm_allocations = 0
 
     def allocate(self, alloc: _Allocation, name: str) -> None:
         if alloc.buffer == "sbuf":
@@ -186,8 +192,7 @@ def new_tile(shape, dtype: dt.Dtype, buffer: str, name: str) -> Tensor:
     if any(s <= 0 for s in shape):
         raise NkiValidationError(f"tensor {name!r} has a non-positive dimension: {shape}")
     if buffer == "hbm":
-        data = np.zeros(shape, dtype=dtype.np)
-        return Tensor(data, np.zeros(shape, dtype=bool), dtype, "hbm", None, name)
+        return _shared_hbm(shape, dtype, name)
     if len(shape) < 2:
         raise NkiValidationError(f"on-chip tile {name!r} needs a partition dim and at least one free dim, got {shape}")
     if shape[0] > PMAX:
@@ -198,6 +203,24 @@ def new_tile(shape, dtype: dt.Dtype, buffer: str, name: str) -> Tensor:
     alloc.base_ptr = data.ctypes.data
     mm = np.zeros(shape, dtype=bool) if buffer == "psum" else None
     return Tensor(data, np.zeros(shape, dtype=bool), dtype, buffer, alloc, name, mm)
+
+
+def _shared_hbm(shape, dtype: dt.Dtype, name: str) -> Tensor:
+    """A kernel-allocated HBM tensor; every program of a launch gets the same one (by allocation order)."""
+    m = current()
+    index = m.hbm_allocations
+    m.hbm_allocations += 1
+    if index < len(m.shared_hbm):
+        t = m.shared_hbm[index]
+        if t.shape != shape or t.dtype is not dtype:
+            raise NkiValidationError(
+                f"program {m.program_id} allocates HBM tensor #{index} {name!r} as {shape} {dtype}, but program 0 allocated "
+                f"{t.shape} {t.dtype}: the programs of one launch must allocate their shared outputs identically"
+            )
+        return t
+    t = Tensor(np.zeros(shape, dtype=dtype.np), np.zeros(shape, dtype=bool), dtype, "hbm", None, name)
+    m.shared_hbm.append(t)
+    return t
 
 
 def hbm_input(array: np.ndarray, name: str) -> Tensor:

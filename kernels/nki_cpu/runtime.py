@@ -1,6 +1,11 @@
 """Launching a kernel in the interpreter: ``@jit`` marks it, :func:`run` executes it on numpy inputs and
 returns its outputs with the :class:`~.machine.Stats` of the run, :func:`simulate` mirrors
-``nki.simulate(kernel)(*arrays)``."""
+``nki.simulate(kernel)(*arrays)``.
+
+SPMD grids: ``kernel[n](*arrays)`` / :func:`launch` run ``n`` programs (one per logical core under LNC=n),
+each with its own SBUF/PSUM and counters, sharing HBM; ``nl.program_id(0)`` / ``nl.num_programs(0)`` tell
+a program where it is. Given the runtime's LNC, a grid that disagrees with it is refused, as the Neuron
+runtime refuses a kernel launched with a grid other than ``NEURON_LOGICAL_NC_CONFIG``."""
 
 from __future__ import annotations
 
@@ -23,6 +28,10 @@ class Kernel:
 
     def __call__(self, *args, **kwargs):
         return run(self, *args, **kwargs)[0]
+
+    def __getitem__(self, grid):
+        """``kernel[n](*arrays)``: an SPMD launch of ``n`` programs (no LNC check; see :func:`launch`)."""
+        return lambda *args, **kwargs: launch(self, grid, *args, **kwargs)[0]
 
 
 def jit(fn=None, **_options):
@@ -53,20 +62,60 @@ def _as_output(value, what: str):
 
 def run(kernel, *args, **kwargs) -> tuple[object, Stats]:
     """Execute ``kernel`` (``@jit`` function) on numpy arrays; returns (outputs as numpy, Stats)."""
+    out, stats = launch(kernel, (1,), *args, **kwargs)
+    return out, stats[0]
+
+
+def _grid_size(grid) -> int:
+    grid = (grid,) if isinstance(grid, (int, np.integer)) else tuple(grid)
+    if len(grid) != 1 or not isinstance(grid[0], (int, np.integer)) or int(grid[0]) < 1:
+        raise NkiValidationError(f"launch grid {grid!r}: the interpreter launches 1-D grids [n] with n >= 1")
+    return int(grid[0])
+
+
+def launch(kernel, grid, *args, lnc: int | None = None, **kwargs) -> tuple[object, list[Stats]]:
+    """Run ``kernel`` as an SPMD grid of programs; returns (outputs as numpy, one Stats per program).
+
+    ``lnc``: the logical NeuronCore config the launch runs under (the Neuron runtime's
+    ``NEURON_LOGICAL_NC_CONFIG``); when given, a grid other than ``[lnc]`` is refused."""
+    n = _grid_size(grid)
+    if lnc is not None and n != int(lnc):
+        raise NkiValidationError(
+            f"kernel {getattr(kernel, '__name__', kernel)!r} launched with grid [{n}] under LNC={lnc}: the runtime runs "
+            f"every kernel on all {lnc} logical-core program(s); launch it as kernel[{lnc}] and split the work with "
+            "nl.program_id(0)"
+        )
     fn = kernel.fn if isinstance(kernel, Kernel) else kernel
     bound = inspect.signature(fn).bind(*args, **kwargs)
     inputs = {name: _as_input(v, name) for name, v in bound.arguments.items()}
-    m = Machine()
-    machine._CURRENT.append(m)
+    shared: list = []
+    results, stats = [], []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thousands of small GEMMs: threading costs more than it gains
     try:
-        result = fn(**inputs)
-        out = _as_output(result, "result")
+        for pid in range(n):
+            m = Machine(pid, n, shared)
+            machine._CURRENT.append(m)
+            try:
+                results.append(fn(**inputs))
+            finally:
+                machine._CURRENT.pop()
+            stats.append(m.stats)
+        out = _as_output(results[0], "result")
     finally:
         torch.set_num_threads(threads)
-        machine._CURRENT.pop()
-    return out, m.stats
+    for pid, result in enumerate(results[1:], start=1):
+        if not _same_outputs(result, results[0]):
+            raise NkiValidationError(f"program {pid} returned different outputs from program 0: every program must return the shared HBM outputs")
+    return out, stats
+
+
+def _same_outputs(a, b) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_outputs(x, y) for x, y in zip(a, b))
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.data is b.data
+    return a == b
 
 
 def simulate(kernel):
