@@ -1,0 +1,158 @@
+"""The kernel launch wrapper (``neuron_glue.kernel_launch``): what runs where, the NKI version floor, the
+LNC, the torch op's schema, and the dense (decode) path against the fp32 reference.
+
+Tests marked "stand-in" replace the host probes (device node, AWS nki, wrap_nki) with monkeypatched
+fakes: they check the decision logic only; the hardware run (``vllm-moe-w8 neuron-check`` on trn2) is
+the real check of the Neuron branch."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from vllm_moe_w8.kernels import host
+from vllm_moe_w8.neuron_glue import kernel_check, kernel_launch
+from vllm_moe_w8.neuron_glue.kernel_launch import NeuronLaunchError
+
+
+@pytest.fixture
+def fresh_backend():
+    kernel_launch.backend.cache_clear()
+    yield
+    kernel_launch.backend.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def small_layer():
+    ckpt = kernel_check.checkpoint_experts(4, 256, 256, seed=7)
+    w13, s13, w2, s2, block = kernel_check.repacked(ckpt, "pow2")
+    return (w13, s13, w2, s2, block), host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+
+
+def test_without_a_device_the_interpreter_runs_and_the_log_says_so(fresh_backend, caplog):
+    if kernel_launch.neuron_device_present()[0]:
+        pytest.skip("a Neuron device is present")
+    with caplog.at_level("INFO", logger="vllm.neuron_w8"):
+        b = kernel_launch.backend()
+    assert b.name == "interpreter" and "no Neuron device" in b.detail
+    assert "NKI interpreter" in caplog.text
+
+
+@pytest.mark.parametrize("tokens,lnc", [(1, 1), (77, 2), (128, 2)])
+def test_dense_path_matches_the_reference(small_layer, tokens, lnc):
+    layer, _ = small_layer
+    r = kernel_check.run_case("dense", None, "pow2", tokens, top_k=3, lnc=lnc, seed=tokens, layer=layer)
+    assert r.kernel == "dense" and r.passed, f"{r.err_over_bound:.3f} x bound"
+    assert r.modelled_s is not None and r.modelled_s > 0
+
+
+def test_kernel_choice_follows_the_token_count():
+    assert kernel_launch.kernel_for(kernel_launch.DENSE_MAX_TOKENS, "pow2")[0] == "dense"
+    assert kernel_launch.kernel_for(kernel_launch.DENSE_MAX_TOKENS + 1, "output-block")[0] == "grouped"
+
+
+def test_bad_calls_name_what_is_wrong(small_layer):
+    _, kw = small_layer
+    x, tw, ti = torch.zeros(3, 256), torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="lnc=4"):
+        kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=4)
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=1, swiglu_limit=-1.0)
+    with pytest.raises(ValueError, match=r"x \(3, 128\) must be \[T, 256\]"):
+        kernel_launch.run_routed_experts(torch.zeros(3, 128), tw, ti, kw, lnc=1)
+
+
+def test_the_torch_op_schema_is_inferred_on_every_host():
+    """The op is registered at import with a schema torch infers from the annotations, here on CPU; the
+    same inference refuses a wrapper with an un-annotated parameter (the failure that once hid until a
+    Neuron host and turned into a silent CPU fallback)."""
+    schema = torch.library.infer_schema(kernel_launch.nki_routed_experts._init_fn, mutates_args=())
+    assert str(torch.ops.moe_w8.nki_routed_experts.default._schema).endswith(schema)
+    assert "str mode, SymInt lnc, float swiglu_limit) -> Tensor" in schema
+
+    def unannotated(hidden: torch.Tensor, swiglu_limit: float, _kernel=None) -> torch.Tensor:
+        return hidden
+
+    with pytest.raises(ValueError, match="_kernel"):
+        torch.library.infer_schema(unannotated, mutates_args=())
+
+
+def test_the_torch_op_runs_the_same_launch_path(small_layer):
+    _, kw = small_layer
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    tw, ti = kernel_check.routing(9, 4, 2, seed=1)
+    via_op = torch.ops.moe_w8.nki_routed_experts(x, tw, ti, kw.w13, kw.w13_scales, kw.w2, kw.w2_scales, kw.mode, 2, 0.0)
+    assert torch.equal(via_op, kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2))
+
+
+def test_nki_version_floor():
+    assert kernel_launch.check_nki_version("0.5.0+28631259367.ga768afa6") == "0.5.0+28631259367.ga768afa6"
+    assert kernel_launch.parse_version("0.3") == (0, 3, 0)
+    with pytest.raises(NeuronLaunchError, match=r"nki 0.2.9 is too old.*>= 0.3.0"):
+        kernel_launch.check_nki_version("0.2.9")
+    with pytest.raises(NeuronLaunchError, match="without __version__"):
+        kernel_launch.check_nki_version(None)
+    with pytest.raises(NeuronLaunchError, match="cannot read"):
+        kernel_launch.check_nki_version("dev")
+
+
+def test_runtime_lnc():
+    assert kernel_launch.runtime_lnc({}) == 2  # trn2's default
+    assert kernel_launch.runtime_lnc({"NEURON_LOGICAL_NC_CONFIG": "1"}) == 1
+    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG='4'"):
+        kernel_launch.runtime_lnc({"NEURON_LOGICAL_NC_CONFIG": "4"})
+
+
+# --- stand-in: the Neuron branch's decision logic with monkeypatched host probes -------------------------
+
+def _fake_host(monkeypatch, nki_version="0.5.0", wrap=True, nki=True):
+    monkeypatch.setattr(kernel_launch, "neuron_device_present", lambda: (True, "1 Neuron device(s) (stand-in)"))
+    fake_nki = types.SimpleNamespace(__version__=nki_version) if nki else None
+    monkeypatch.setattr(kernel_launch, "real_nki", lambda: (fake_nki, "stand-in" if nki else "not importable (stand-in)"))
+    calls = []
+
+    def wrap_nki(kernel):  # stand-in launcher: records the grid, runs the interpreter
+        from vllm_moe_w8.kernels import nki_cpu
+
+        class Caller:
+            def __getitem__(self, grid):
+                def call(*tensors, **constants):
+                    calls.append((kernel.__name__, grid))
+                    arrays = [kernel_launch._numpy(t) for t in tensors]
+                    return torch.from_numpy(nki_cpu.launch(kernel, (grid,), *arrays, lnc=grid, **constants)[0])
+                return call
+        return Caller()
+
+    if wrap:
+        monkeypatch.setattr(kernel_launch, "import_wrap_nki", lambda: (wrap_nki, "stand_in.nki_hop"))
+    else:
+        def missing():
+            raise NeuronLaunchError("no NKI launcher (wrap_nki) importable: stand-in")
+        monkeypatch.setattr(kernel_launch, "import_wrap_nki", missing)
+    return calls
+
+
+def test_stand_in_neuron_host_launches_through_wrap_nki_with_the_lnc(fresh_backend, monkeypatch, small_layer):
+    layer, kw = small_layer
+    calls = _fake_host(monkeypatch)
+    b = kernel_launch.backend()
+    assert b.name == "neuron" and "stand_in.nki_hop.wrap_nki" in b.detail and "nki 0.5.0" in b.detail
+    x = torch.randn(140, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    tw, ti = kernel_check.routing(140, 4, 2, seed=2)
+    out = kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2)
+    assert calls == [("moe_w8_grouped_pow2", 2)]
+    ref = kernel_check.reference_moe(x, tw, ti, *layer[:4], *layer[4], "e4m3")
+    assert kernel_check.within_bound(out, ref, kernel_check.error_bound(x, tw, ti, *layer))[0]
+
+
+@pytest.mark.parametrize("probe,match", [
+    (dict(nki=False), "AWS nki is unusable"),
+    (dict(nki_version="0.2.0"), "too old"),
+    (dict(wrap=False), "wrap_nki"),
+])
+def test_stand_in_neuron_host_that_cannot_launch_is_an_error_not_a_fallback(fresh_backend, monkeypatch, probe, match):
+    _fake_host(monkeypatch, **probe)
+    with pytest.raises(NeuronLaunchError, match=match):
+        kernel_launch.backend()
