@@ -1,4 +1,4 @@
-"""The ``vllm-moe-w8`` command: inspect, plan, convert, demo, configs.
+"""The ``vllm-moe-w8`` command: inspect, plan, convert, demo, configs, neuron-check.
 
 Thin: argument parsing only; each sub-command lives in its own module, imported when it runs (so
 ``vllm-moe-w8 plan`` does not even import torch). Exit code 0 only on success; 1 when the input is
@@ -64,6 +64,12 @@ def cmd_demo(args) -> int:
 
     return run_demo(directory=args.dir, prompt=args.prompt, timeout=args.timeout, max_tokens=args.max_tokens,
                     json_out=args.json, mode=args.mode, keep_log=args.keep_log)
+
+
+def cmd_neuron_check(args) -> int:
+    from vllm_moe_w8.neuron_glue.neuron_check import run
+
+    return run(lnc=args.lnc, experts=args.experts, json_path=args.json_out, device=args.device)
 
 
 def cmd_configs(args) -> int:
@@ -141,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-log", action="store_true", help="keep the server log file")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("neuron-check", help="first Trainium2 run: inventory, each NKI kernel vs the reference, a tiny model "
+                       "served (exit 2 off Neuron after the checks CPU can run)")
+    s.add_argument("--lnc", type=int, choices=(1, 2), default=None, help="LNC to launch at (default: NEURON_LOGICAL_NC_CONFIG, else 2)")
+    s.add_argument("--experts", type=int, default=None, help="local experts in the checked layer (default 32 on Neuron, 4 off it)")
+    s.add_argument("--device", default="neuron", help="torch device of the Neuron backend (default 'neuron')")
+    s.add_argument("--json-out", default=None, help="also write the inventory and results to this JSON file")
+    s.set_defaults(func=cmd_neuron_check)
 
     s = sub.add_parser("configs", help="list the packaged model configs and their recommended trn2 settings")
     s.add_argument("--json", action="store_true")

@@ -315,7 +315,6 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         if sampled:
             self._self_check(layer, sampled, originals, global_ids, rounded_per_expert if originals else {})
         self.processed = True
-        self._prepare_neuron(layer)
         seconds = time.perf_counter() - t0
         bytes_after = w13.numel() + w2.numel() + 4 * (new_s13.numel() + new_s2.numel())
         logger.debug(
@@ -323,26 +322,6 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
             self.prefix, self.num_local, self.mode, stats.blocks_shifted, stats.blocks, stats.values_changed, seconds,
         )
         self._account(bytes_before, bytes_after, stats, seconds, len(sampled))
-
-    def _prepare_neuron(self, layer) -> None:
-        """On a Neuron device, lay the experts out for the NKI kernels once, at load (not at the first call)."""
-        if layer.w13_weight.device.type == "cpu" or not moe_op.neuron_status()[0]:
-            return
-        from vllm_moe_w8 import neuron_binding
-
-        supports = getattr(neuron_binding, "supports", None)
-        if supports is not None:
-            ok, why = supports(self.block[0], self.block[1], self.code_format)
-            if not ok:
-                raise ValueError(
-                    f"neuron-w8: {self.prefix} (mode {self.mode}, scale tile {self.block}, codes {self.code_format}) has no NKI "
-                    f"kernel on this Neuron device: {why}. Use mode pow2 or output-block, or expert parallelism instead of a "
-                    "TP split that refines the tile"
-                )
-        neuron_binding.prepare_weights(
-            layer.w13_weight, getattr(layer, f"w13_{self.suffix}"), layer.w2_weight, getattr(layer, f"w2_{self.suffix}"),
-            self.block[0], self.block[1], self.code_format,
-        )
 
     def _self_check(self, layer, sampled, originals, global_ids, rounded_per_expert) -> None:
         """Dequantise the stored (op-layout) weights of ``sampled`` experts and compare with the checkpoint."""

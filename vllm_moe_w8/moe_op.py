@@ -8,10 +8,11 @@ count ``T``, and runs eagerly unchanged.
 
 Dispatch (see DEVELOPING.md, "The MoE op", for the signature and semantics):
 
-* tensors on a Neuron/XLA device and ``vllm_moe_w8.neuron_binding`` importable and ``available()``:
-  the NKI kernel ``neuron_binding.fused_moe_neuron``;
-* otherwise the exact CPU implementation ``vllm_moe_w8.cpu_moe.fused_moe_cpu`` (touches only the
-  routed experts); if that module is absent, the fp32 reference ``moe_reference.reference_moe``.
+* tensors on CPU: the exact CPU implementation ``vllm_moe_w8.cpu_moe.fused_moe_cpu`` (touches only the
+  routed experts); if that module is absent, the fp32 reference ``moe_reference.reference_moe``;
+* tensors on any other device: an error. On Trainium2 vLLM's own model classes (which call this op)
+  do not run: vllm-neuron builds its own, and the experts there call the NKI kernels through
+  ``vllm_moe_w8.neuron_glue.kernel_launch`` on their kernel-layout weights (the only resident copy).
 
 :func:`compute_path` reports which path runs and why (the plugin logs it). Imports neither vLLM nor NKI.
 """
@@ -39,19 +40,8 @@ def _optional_module(name: str):
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def neuron_status() -> tuple[bool, str]:
-    """(usable, reason) for the Neuron implementation."""
-    mod, why = _optional_module("neuron_binding")
-    if mod is None:
-        return False, f"vllm_moe_w8.neuron_binding not importable ({why})"
-    available = getattr(mod, "available", None)
-    if available is None or not hasattr(mod, "fused_moe_neuron"):
-        return False, "vllm_moe_w8.neuron_binding has no available()/fused_moe_neuron()"
-    try:
-        ok, reason = available()
-    except Exception as exc:  # a broken Neuron install must not take the CPU path down
-        return False, f"neuron_binding.available() raised {type(exc).__name__}: {exc}"
-    return bool(ok), str(reason)
+NEURON_PATH = ("the MoE op has no device path: on Trainium2 the experts run inside vllm-neuron's models through "
+               "vllm_moe_w8.neuron_glue.kernel_launch (kernel-layout weights, NKI kernels launched with wrap_nki)")
 
 
 def _cpu_impl():
@@ -65,14 +55,11 @@ def _cpu_impl():
 def compute_path(device: torch.device | str = "cpu") -> tuple[str, str]:
     """(implementation name, reason) the op uses for tensors on ``device``."""
     device = torch.device(device)
-    ok, reason = neuron_status()
-    if device.type != "cpu" and ok:
-        return "neuron_binding.fused_moe_neuron", f"Neuron available: {reason}"
     _, name, why = _cpu_impl()
     if device.type == "cpu":
-        where = f"tensors on CPU; Neuron path {'available but unused' if ok else 'unavailable: ' + reason}"
+        where = "tensors on CPU (on Neuron the experts run through vllm_moe_w8.neuron_glue, not this op)"
     else:
-        where = f"tensors on {device.type} but Neuron path unavailable: {reason}"
+        where = f"tensors on {device.type}: refused ({NEURON_PATH})"
     return name, f"{why}; {where}"
 
 
@@ -115,11 +102,7 @@ def fused_moe(
     _check(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
     args = (x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation, swiglu_limit)
     if x.device.type != "cpu":
-        ok, reason = neuron_status()
-        if not ok:
-            raise RuntimeError(f"moe_w8.fused_moe: tensors on {x.device} but the Neuron path is unavailable: {reason}")
-        mod, _ = _optional_module("neuron_binding")
-        return mod.fused_moe_neuron(*args)
+        raise RuntimeError(f"moe_w8.fused_moe: tensors on {x.device}, but {NEURON_PATH}")
     if x.shape[0] == 0:
         return x.new_zeros((0, w2.shape[1]))
     fn, _, _ = _cpu_impl()

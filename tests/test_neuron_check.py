@@ -1,0 +1,105 @@
+"""``vllm-moe-w8 neuron-check``. On this CPU host for real: the inventory, every kernel case through the
+launch wrapper (interpreter) against the reference, what is missing, exit 2; a corrupted layer makes it
+exit 1. The Neuron branch with stand-in host probes (monkeypatched device / nki / wrap_nki / serving):
+the decision logic only - the trn2 run is the real check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_moe_w8 import cli
+from vllm_moe_w8.neuron_glue import kernel_check, kernel_launch, neuron_check
+
+SMALL = dict(hidden=256, inter=256, experts_neuron=4, experts_cpu=3, top_k=4)  # interpreter time on 2 shared cores
+
+
+@pytest.fixture
+def small_layer(monkeypatch):
+    monkeypatch.setattr(neuron_check, "LAYER", SMALL)
+    kernel_launch.backend.cache_clear()
+    yield
+    kernel_launch.backend.cache_clear()
+
+
+def test_cpu_host_runs_every_kernel_reports_what_is_missing_and_exits_2(small_layer, capsys, tmp_path, monkeypatch):
+    if kernel_launch.neuron_device_present()[0]:
+        pytest.skip("a Neuron device is present")
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    out_json = tmp_path / "check.json"
+    assert cli.main(["neuron-check", "--json-out", str(out_json)]) == neuron_check.EXIT_NOT_NEURON
+    text = capsys.readouterr().out
+    for line in ("versions:", "model_runner:", "registry_entries_wrapped:", "platform_quantization:", "lnc: 2",
+                 "kernels_run_on: no Neuron device"):
+        assert line in text
+    record = json.loads(out_json.read_text())
+    cases = record["kernels"]
+    assert [c["name"] for c in cases] == [c[0] for c in neuron_check.CASES]
+    assert all(c["passed"] and c["lnc"] == 2 and c["modelled_s"] > 0 for c in cases)
+    assert {c["kernel"] for c in cases} == {"dense", "grouped"}
+    assert "measured (interpreter wall, not device time)" in text
+    assert any("a Neuron device" in m for m in record["missing"]) and any("serving a tiny model" in m for m in record["missing"])
+
+
+def test_a_kernel_outside_the_bound_fails_the_check(small_layer, capsys, monkeypatch):
+    """Fault injection: the kernel-side weights get one expert's gate scale tile doubled (the reference keeps
+    the right one) -> exit 1, naming the case."""
+    from vllm_moe_w8.kernels import host
+
+    real = host.to_kernel_layout
+
+    def corrupted(*args):
+        kw = real(*args)
+        kw.w13_scales = kw.w13_scales.clone()  # the layout may alias the caller's fp32 scales
+        kw.w13_scales[0, 0, 0] *= 2
+        return kw
+
+    monkeypatch.setattr(host, "to_kernel_layout", corrupted)
+    monkeypatch.setattr(neuron_check, "CASES", neuron_check.CASES[:1])
+    assert neuron_check.run(lnc=1) == neuron_check.EXIT_FAILED
+    assert "outside the bound: dense pow2 (decode)" in capsys.readouterr().out
+
+
+# --- stand-in: the Neuron branch's decisions with monkeypatched host probes ------------------------------
+
+def _stand_in_neuron_host(monkeypatch, nki=True):
+    import types
+
+    import torch
+
+    from vllm_moe_w8.kernels import nki_cpu
+
+    monkeypatch.setattr(kernel_launch, "neuron_device_present", lambda: (True, "1 Neuron device(s) (stand-in)"))
+    monkeypatch.setattr(kernel_launch, "real_nki",
+                        lambda: (types.SimpleNamespace(__version__="0.5.0"), "AWS nki 0.5.0 (stand-in)") if nki
+                        else (None, "not importable (stand-in)"))
+
+    def wrap_nki(kernel):
+        class Caller:
+            def __getitem__(self, grid):
+                def call(*tensors, **constants):
+                    arrays = [kernel_launch._numpy(t) for t in tensors]
+                    return torch.from_numpy(nki_cpu.launch(kernel, (grid,), *arrays, lnc=grid, **constants)[0])
+                return call
+        return Caller()
+
+    monkeypatch.setattr(kernel_launch, "import_wrap_nki", lambda: (wrap_nki, "stand_in.nki_hop"))
+
+
+def test_stand_in_neuron_host_that_cannot_launch_stops_before_any_kernel(small_layer, capsys, monkeypatch):
+    _stand_in_neuron_host(monkeypatch, nki=False)
+    monkeypatch.setattr(neuron_check, "run_kernels", lambda *a, **k: pytest.fail("kernels ran on a broken Neuron host"))
+    assert neuron_check.run(lnc=2) == neuron_check.EXIT_FAILED
+    assert "the Neuron path cannot start" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("served,expected", [(0, neuron_check.EXIT_OK), (1, neuron_check.EXIT_FAILED)])
+def test_stand_in_neuron_host_serves_the_tiny_model_after_the_kernels(small_layer, capsys, monkeypatch, served, expected):
+    _stand_in_neuron_host(monkeypatch)
+    monkeypatch.setattr(neuron_check, "CASES", neuron_check.CASES[:1])
+    calls = []
+    monkeypatch.setattr(neuron_check, "serve_tiny_model", lambda: calls.append("serve") or served)
+    assert neuron_check.run(lnc=2, device="cpu") == expected
+    assert calls == ["serve"]
+    assert "measured (device)" in capsys.readouterr().out

