@@ -1,0 +1,129 @@
+"""Prefill on one rank: the dense kernel (every token through every local expert) vs the token-grouped
+kernel (only the routed rows, in 128-row tiles), as the cost model (``kernels/nki_cpu/cost.py``
+``estimate``, unchanged) prices the interpreter's counts of each run.
+
+Shape: Qwen3.5-35B-A3B at EP=8 (E_local 32 of 256, H 2048, I 512, top-8), routing uniform over the 256
+experts (seeded), so a token has on average one route to this rank. Both kernels run through the same
+launch wrapper (``neuron_glue.kernel_launch``) in the interpreter, at LNC 1 and 2; the dense kernel's
+calls are 256-token chunks with identical instruction counts, so one chunk is run and its counts are
+multiplied by the number of chunks (said in the JSON). The grouped kernel runs the whole prefill. Per
+LNC grid, a call costs its slowest program; calls add up. The counts do not depend on weight values,
+so the experts are random valid Trn2 float8_e4m3 codes.
+
+    .venv/bin/python benchmarks/bench_grouped_prefill.py                 # 2k and 8k tokens
+    .venv/bin/python benchmarks/bench_grouped_prefill.py --tokens 2048   # one size
+Writes benchmarks/results/grouped_prefill.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import print_table, write_json  # noqa: E402
+from vllm_moe_w8.kernels import grouping, host  # noqa: E402
+from vllm_moe_w8.kernels.nki_cpu import cost  # noqa: E402
+from vllm_moe_w8.neuron_glue import kernel_launch  # noqa: E402
+
+SHAPE = dict(E_local=32, E_total=256, H=2048, I=512, top_k=8)
+
+
+def random_kernel_weights(mode: str, seed: int = 0) -> host.KernelWeights:
+    gen = torch.Generator().manual_seed(seed)
+    e, h, i = SHAPE["E_local"], SHAPE["H"], SHAPE["I"]
+
+    def codes(*shape):  # finite float8_e4m3 bytes: magnitude < 0x78, either sign
+        return torch.randint(0, 0x78, shape, generator=gen, dtype=torch.uint8) | (torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8) << 7)
+
+    g13, g2 = (h // 128, i // 128) if mode == "pow2" else (1, 1)
+    block = (128, 128) if mode == "pow2" else (128, 0)
+    s13 = torch.rand(e, 2 * i // 128, g13, generator=gen) + 0.5
+    s2 = torch.rand(e, h // 128, g2, generator=gen) + 0.5
+    return host.to_kernel_layout(codes(e, 2 * i, h), s13, codes(e, h, i), s2, *block, "e4m3")
+
+
+def uniform_routing(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """top-8 of 256 per token, uniform; this rank holds experts 0..31 (others -> -1)."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, SHAPE["E_total"], generator=gen)
+    weights, ids = scores.topk(SHAPE["top_k"], dim=1)
+    ids = torch.where(ids < SHAPE["E_local"], ids, -1)
+    return weights / weights.sum(dim=1, keepdim=True), ids
+
+
+def priced(launch_stats: list, repeat: int = 1) -> dict:
+    """Cost-model time of the calls (slowest program per call) and their summed counters."""
+    per_call = [max((cost.estimate(s) for s in programs), key=lambda e: e.time_s) for programs in launch_stats]
+    flat = [s for programs in launch_stats for s in programs]
+    return {
+        "model_ms": repeat * sum(e.time_s for e in per_call) * 1e3,
+        "bound": max(per_call, key=lambda e: e.time_s).bound_by,
+        "hbm_MB": repeat * sum(s.hbm_read_bytes + s.hbm_write_bytes for s in flat) / 1e6,
+        "matmuls": repeat * sum(s.matmul_count for s in flat),
+    }
+
+
+def measure(kw: host.KernelWeights, tokens: int, lnc: int) -> list[dict]:
+    x = torch.randn(tokens, SHAPE["H"], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    tw, ti = uniform_routing(tokens)
+    groups = grouping.group_by_expert(tw, ti, SHAPE["E_local"], programs=lnc)
+    rows = []
+    # dense: one 256-token chunk through the wrapper's dense path, times the number of chunks
+    chunk = min(host.T_MAX, tokens)
+    dense_stats: list = []
+    aff = host.dense_affinities(tw[:chunk], ti[:chunk], SHAPE["E_local"])
+    t0 = time.perf_counter()
+    kernel_launch.launch(kernel_launch.DENSE[kw.mode], lnc, (x[:chunk], kw.w13, kw.w13_scales, kw.w2, kw.w2_scales, aff),
+                         {"swiglu_limit": 0.0}, dense_stats)
+    wall = time.perf_counter() - t0
+    calls = len(host.chunks(tokens))
+    rows.append({"kernel": "dense", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": calls, "counted_calls": 1,
+                 **priced(dense_stats, repeat=calls), "interp_s": wall})
+    # grouped: the whole prefill through run_routed_experts
+    grouped_stats: list = []
+    t0 = time.perf_counter()
+    kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=lnc, stats=grouped_stats)
+    wall = time.perf_counter() - t0
+    rows.append({"kernel": "grouped", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": 1, "counted_calls": 1,
+                 **priced(grouped_stats), "interp_s": wall, "routed_rows": groups.routed, "tiles": sum(groups.expert_tiles)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="*", default=[2048, 8192])
+    ap.add_argument("--lnc", type=int, nargs="*", default=[1, 2])
+    ap.add_argument("--modes", nargs="*", default=["pow2", "output-block"])
+    args = ap.parse_args()
+    weight_bytes = SHAPE["E_local"] * 3 * SHAPE["H"] * SHAPE["I"]
+    rows = []
+    for mode in args.modes:
+        kw = random_kernel_weights(mode)
+        for tokens in args.tokens:
+            for lnc in args.lnc:
+                for r in measure(kw, tokens, lnc):
+                    rows.append(r)
+                    print(f"  {r['kernel']:7s} {mode:12s} T={tokens:5d} LNC={lnc}: {r['model_ms']:.3f} ms ({r['bound']})", flush=True)
+    for r in rows:
+        dense = next(d for d in rows if d["kernel"] == "dense" and (d["mode"], d["T"], d["LNC"]) == (r["mode"], r["T"], r["LNC"]))
+        r["dense/this"] = dense["model_ms"] / r["model_ms"]
+    print(f"\nQwen3.5-35B-A3B EP=8 rank (E_local {SHAPE['E_local']}, H {SHAPE['H']}, I {SHAPE['I']}, top-{SHAPE['top_k']} of "
+          f"{SHAPE['E_total']}); cost model per NeuronCore-v3, slowest program per call")
+    print_table(rows, ["kernel", "mode", "T", "LNC", "calls", "tiles", "routed_rows", "matmuls", "hbm_MB", "model_ms", "bound",
+                       "dense/this", "interp_s"])
+    write_json("grouped_prefill", {
+        "shape": SHAPE, "rows": rows, "weight_bytes_per_rank": weight_bytes,
+        "method": "interpreter counts priced by kernels/nki_cpu/cost.py estimate(); dense: one 256-token chunk counted, "
+                  "multiplied by the number of chunks (identical counts per chunk); grouped: the whole prefill counted; "
+                  "per call the slowest LNC program",
+        "cost_model_assumptions": cost.__doc__,
+    })
+
+
+if __name__ == "__main__":
+    main()
