@@ -33,7 +33,7 @@ from .nki_api import nisa, nki, nl
 
 P = 128
 SLAB = 512
-HT_BUDGET_BYTES = 64 * 1024  # SBUF per partition for one pass's hidden^T (bf16)
+HT_BUDGET_BYTES = 48 * 1024  # SBUF per partition for one pass's hidden^T (bf16): GLM width peaks ~170 of 224 KiB
 POW2 = "pow2"
 OUTPUT_BLOCK = "output-block"
 

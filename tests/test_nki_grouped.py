@@ -99,3 +99,27 @@ def test_grouped_work_grows_with_routed_rows_not_with_experts():
     g = grouped[0][0]
     assert g.hbm_read_bytes < 2 * weight_bytes_per_expert + 256 * 256 * 2 + 4096  # two experts' weights + rows
     assert sum(g.matmuls.values()) * 4 <= sum(dense[0].matmuls.values())
+
+
+def test_an_expert_larger_than_one_pass_is_processed_in_passes(monkeypatch):
+    """5 tiles per expert with room for 2 per pass: 3 passes, weights streamed once per pass, same result."""
+    from vllm_moe_w8.kernels import moe_w8_grouped
+
+    ckpt = kernel_check.checkpoint_experts(2, 256, 128, seed=5)
+    w13, s13, w2, s2, block = kernel_check.repacked(ckpt, "pow2")
+    kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+    x = torch.randn(600, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ids = torch.stack([torch.zeros(600, dtype=torch.long), torch.ones(600, dtype=torch.long)], dim=1)
+    tw = torch.rand(600, 2, generator=torch.Generator().manual_seed(6))
+    ref = kernel_check.reference_moe(x, tw, ids, w13, s13, w2, s2, *block, "e4m3")
+    bound = kernel_check.error_bound(x, tw, ids, w13, s13, w2, s2, block)
+    one_pass, passes = [], []
+    out_one = kernel_launch.run_routed_experts(x, tw, ids, kw, lnc=1, stats=one_pass)
+    monkeypatch.setattr(moe_w8_grouped, "HT_BUDGET_BYTES", 2 * 2 * 128 * 2)  # two 128-row tiles of hidden^T
+    assert moe_w8_grouped.max_tiles(256) == 2
+    out_passes = kernel_launch.run_routed_experts(x, tw, ids, kw, lnc=1, stats=passes)
+    assert kernel_check.within_bound(out_one, ref, bound)[0] and kernel_check.within_bound(out_passes, ref, bound)[0]
+    weights = kw.w13.numel() + kw.w2.numel()
+    if BACKEND == "interpreter":
+        assert passes[0][0].hbm_read_bytes - one_pass[0][0].hbm_read_bytes == 2 * weights  # 3 passes instead of 1
+        assert passes[0][0].peak_sbuf_bytes < one_pass[0][0].peak_sbuf_bytes
