@@ -100,6 +100,26 @@ def test_stand_in_neuron_host_serves_the_tiny_model_after_the_kernels(small_laye
     monkeypatch.setattr(neuron_check, "CASES", neuron_check.CASES[:1])
     calls = []
     monkeypatch.setattr(neuron_check, "serve_tiny_model", lambda: calls.append("serve") or served)
+    monkeypatch.setattr(neuron_check, "modelled_in_interpreter", lambda lnc, experts: {neuron_check.CASES[0][0]: 1e-3})
     assert neuron_check.run(lnc=2, device="cpu") == expected
     assert calls == ["serve"]
-    assert "measured (device)" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "measured (device)" in text and "1.000 ms" in text  # the modelled column from the interpreter's pricing
+
+
+def test_modelled_times_come_from_an_interpreter_child_process(small_layer):
+    """What a Neuron host uses to price the kernels it ran on the device: a child process forced onto the
+    interpreter (here for real, at the small layer) gives every case a positive cost-model time."""
+    modelled = neuron_check.modelled_in_interpreter(lnc=2, experts=2)
+    assert set(modelled) == {c[0] for c in neuron_check.CASES} and all(v > 0 for v in modelled.values())
+
+
+def test_forcing_the_interpreter_is_explicit_and_logged(monkeypatch, caplog):
+    """Stand-in device: VLLM_MOE_W8_NKI=interpreter is the one way a Neuron host runs the interpreter."""
+    kernel_launch.backend.cache_clear()
+    monkeypatch.setattr(kernel_launch, "neuron_device_present", lambda: (True, "1 Neuron device(s) (stand-in)"))
+    monkeypatch.setenv("VLLM_MOE_W8_NKI", "interpreter")
+    with caplog.at_level("WARNING", logger="vllm.neuron_w8"):
+        assert kernel_launch.backend().name == "interpreter"
+    assert "forced" in caplog.text
+    kernel_launch.backend.cache_clear()

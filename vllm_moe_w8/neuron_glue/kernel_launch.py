@@ -121,7 +121,12 @@ def real_nki() -> tuple[object, str]:
 
 @functools.lru_cache(maxsize=1)
 def backend() -> Backend:
-    """Where the kernels run. A Neuron device with anything missing is an error (no silent CPU fallback)."""
+    """Where the kernels run. A Neuron device with anything missing is an error (no silent CPU fallback);
+    ``VLLM_MOE_W8_NKI=interpreter`` asks for the interpreter explicitly (neuron-check prices the kernels so)."""
+    if os.environ.get("VLLM_MOE_W8_NKI", "").lower() == "interpreter":
+        b = Backend("interpreter", "VLLM_MOE_W8_NKI=interpreter: the kernels run in the project's NKI interpreter (forced)")
+        logger.warning("neuron-w8: %s", b.detail)
+        return b
     present, where = neuron_device_present()
     if not present:
         b = Backend("interpreter", f"{where}: the kernels run in the project's NKI interpreter on CPU")

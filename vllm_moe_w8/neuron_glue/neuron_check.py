@@ -20,6 +20,8 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 from vllm_moe_w8.neuron_glue import kernel_check, kernel_launch
 
@@ -149,6 +151,19 @@ def missing_without_neuron(inv: dict) -> list[str]:
     return missing
 
 
+def modelled_in_interpreter(lnc: int, experts: int) -> dict[str, float]:
+    """Cost-model time per case, counted by the interpreter in a child process (``VLLM_MOE_W8_NKI=interpreter``:
+    on a Neuron host the kernels in this process are bound to AWS's nki)."""
+    code = ("import json, sys; from vllm_moe_w8.neuron_glue import neuron_check as c; "
+            f"c.LAYER = {dict(LAYER)!r}; "
+            f"print(json.dumps({{r.name: r.modelled_s for r in c.run_kernels({lnc}, {experts})}}))")
+    env = dict(os.environ, VLLM_MOE_W8_NKI="interpreter")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pricing the kernels in the interpreter failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def serve_tiny_model() -> int:
     from vllm_moe_w8.demo import run_demo
 
@@ -170,6 +185,13 @@ def run(lnc: int | None = None, experts: int | None = None, json_path: str | Non
           f"kernel_launch.run_routed_experts vs the fp32 reference (gate: {kernel_check.BOUND_SLACK} x 2^-9 x "
           "sum |W2| |act| w + 1e-6)")
     results = run_kernels(lnc, experts, device=device if on_neuron else "cpu")
+    if on_neuron:  # the device ran the kernels; the cost model needs the interpreter's counts of the same calls
+        try:
+            modelled = modelled_in_interpreter(lnc, experts)
+            for r in results:
+                r.modelled_s = modelled.get(r.name)
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+            print(f"  (modelled times unavailable: {exc})")
     print(format_results(results, on_neuron))
     record = {"inventory": inv, "kernels": [r.__dict__ for r in results]}
     failed = [r.name for r in results if not r.passed]
