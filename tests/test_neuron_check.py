@@ -107,6 +107,7 @@ def test_stand_in_neuron_host_serves_the_tiny_model_after_the_kernels(small_laye
     assert "measured (device)" in text and "1.000 ms" in text  # the modelled column from the interpreter's pricing
 
 
+@pytest.mark.slow
 def test_modelled_times_come_from_an_interpreter_child_process(small_layer):
     """What a Neuron host uses to price the kernels it ran on the device: a child process forced onto the
     interpreter (here for real, at the small layer) gives every case a positive cost-model time."""
