@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_moe_w8 import cli
-from vllm_moe_w8.plan import (
+from vllm_moe_w8.tools import cli
+from vllm_moe_w8.tools.plan import (
     PlanError,
     load_model_entry,
     make_plan,
@@ -157,8 +157,8 @@ def test_scale_model_matches_a_converted_checkpoint(tmp_path):
     """The plan's with-scales bytes equal the bytes `convert` actually writes (pow2 and output-block)."""
     pytest.importorskip("tokenizers")
     from vllm_moe_w8 import tiny_models
-    from vllm_moe_w8.checkpoint import Checkpoint
-    from vllm_moe_w8.convert import convert_checkpoint
+    from vllm_moe_w8.codec.checkpoint import Checkpoint
+    from vllm_moe_w8.tools.convert import convert_checkpoint
 
     src = tiny_models.write_checkpoint(tmp_path / "src", "qwen3-moe")
     for mode in ("pow2", "output-block"):

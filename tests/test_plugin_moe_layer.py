@@ -17,8 +17,9 @@ pytest.importorskip("vllm")
 
 from _plugin_fixtures import PREFIX, dense_moe, load_layer, make_checkpoint, make_layer, quant_config_for, rel_err, routing  # noqa: E402
 
-from vllm_moe_w8 import fp8, moe_reference  # noqa: E402
-from vllm_moe_w8.moe_method import POW2_BOUND_SLACK  # noqa: E402
+from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.op import reference as moe_reference  # noqa: E402
+from vllm_moe_w8.vllm_glue.moe_method import POW2_BOUND_SLACK  # noqa: E402
 
 # fp32 accumulation over H=256 / I<=384 products vs a float64 reference, plus pow2's counted
 # round-to-nearest-even values (each <= 2**-9 x its block scale): measured ~1e-6 of max|out|.
@@ -161,7 +162,7 @@ def test_self_check_stops_a_bad_repack_and_can_be_disabled(ckpt, monkeypatch):
         return out
 
     monkeypatch.setattr(fp8, "repack", corrupt)
-    from vllm_moe_w8.moe_method import NumericsSelfCheckError
+    from vllm_moe_w8.vllm_glue.moe_method import NumericsSelfCheckError
 
     layer = make_layer(quant_config_for("block"), ckpt)
     with pytest.raises(NumericsSelfCheckError, match=rf"layer {PREFIX}, expert 3 .*down_proj\[5, 7\]"):
@@ -209,7 +210,7 @@ def test_load_logs_start_and_summary(ckpt):
 def test_converted_checkpoint_loads_without_repack(ckpt, tokens, mode):
     """uint8 codes + fp32 scales as `vllm-moe-w8 convert` writes them: loaded as they are (no second repack),
     at TP1 and in a TP2 rank loop (tiles refined to 64 rows on 192-row ranks); same output as converting at load."""
-    from vllm_moe_w8.quant_config import NeuronW8Config
+    from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
 
     block = (128, 0) if mode == "output-block" else (128, 128)
     converted = {}

@@ -16,7 +16,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm_moe_w8.vllm_plugin import register_with_vllm  # heavy imports stay inside
+    from vllm_moe_w8.vllm_glue.register import register_with_vllm  # heavy imports stay inside
 
     register_with_vllm()
     _registered = True

@@ -30,7 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from vllm_moe_w8.checkpoint import quant_format, text_config
+from vllm_moe_w8.codec.checkpoint import quant_format, text_config
 
 GB = 1e9
 BLOCK = 128

@@ -12,9 +12,9 @@ Selection: ``--quantization neuron-w8`` (any case) on such a checkpoint, or a co
 itself, or (opt-in) automatically for block-FP8 / per-channel checkpoints of a supported architecture
 when ``VLLM_MOE_W8_AUTO=1``. Without the opt-in vLLM's behaviour is unchanged.
 
-Layer methods: routed experts -> :class:`vllm_moe_w8.moe_method.NeuronW8MoEMethod` (uint8 codes +
+Layer methods: routed experts -> :class:`vllm_moe_w8.vllm_glue.moe_method.NeuronW8MoEMethod` (uint8 codes +
 fp32 scales, the ``moe_w8::fused_moe`` op); every other quantised linear layer ->
-:class:`vllm_moe_w8.linear_method.NeuronW8LinearMethod` (dequantised once to the model dtype).
+:class:`vllm_moe_w8.vllm_glue.linear_method.NeuronW8LinearMethod` (dequantised once to the model dtype).
 Layers named by ``modules_to_not_convert`` / ``ignored_layers`` / compressed-tensors ``ignore`` stay
 unquantised.
 """
@@ -33,7 +33,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from vllm_moe_w8 import QUANTIZATION_NAME, fp8
+from vllm_moe_w8 import QUANTIZATION_NAME
+from vllm_moe_w8.codec import fp8
 
 logger = init_logger("vllm.neuron_w8")
 
@@ -224,10 +225,10 @@ def validate_local_checkpoint(model: Any, fmt: CheckpointFormat) -> None:
     Catches what vLLM's own loader reports without the file name (truncated or garbled shards) or does
     not report at all (a tensor the index lists but its shard lacks, an expert weight without its scale:
     the parameter would keep its initial zeros / ones). Reads the index and each shard's JSON header
-    (:class:`vllm_moe_w8.checkpoint.Checkpoint`), never tensor data. A hub id, or a folder without
+    (:class:`vllm_moe_w8.codec.checkpoint.Checkpoint`), never tensor data. A hub id, or a folder without
     safetensors files, is left to vLLM (the MoE method's loader-side check still covers its experts).
     """
-    from vllm_moe_w8 import checkpoint as ck
+    from vllm_moe_w8.codec import checkpoint as ck
 
     path = Path(str(model)).expanduser() if model else None
     if path is None or not path.is_dir() or not (
@@ -337,7 +338,7 @@ class NeuronW8Config(QuantizationConfig):
         if isinstance(layer, LinearBase):
             if self.is_layer_skipped(prefix):
                 return UnquantizedLinearMethod()
-            from vllm_moe_w8.linear_method import NeuronW8LinearMethod
+            from vllm_moe_w8.vllm_glue.linear_method import NeuronW8LinearMethod
 
             return NeuronW8LinearMethod(self, prefix)
         if isinstance(layer, RoutedExperts):
@@ -345,7 +346,7 @@ class NeuronW8Config(QuantizationConfig):
                 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
 
                 return UnquantizedFusedMoEMethod(layer.moe_config)
-            from vllm_moe_w8.moe_method import NeuronW8MoEMethod
+            from vllm_moe_w8.vllm_glue.moe_method import NeuronW8MoEMethod
 
             return NeuronW8MoEMethod(self, layer, prefix)
         return None

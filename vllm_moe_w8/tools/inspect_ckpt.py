@@ -16,7 +16,7 @@ import re
 from collections import Counter, defaultdict
 from typing import Any
 
-from vllm_moe_w8.checkpoint import (
+from vllm_moe_w8.codec.checkpoint import (
     Checkpoint,
     CheckpointError,
     SUPPORTED_ARCHITECTURES,

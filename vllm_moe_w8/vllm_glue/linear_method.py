@@ -3,7 +3,7 @@
 FP8 checkpoints quantise more than the routed experts: attention q/k/v/o, shared experts, Qwen3.5's
 linear-attention ``in_proj_qkv`` / ``in_proj_z`` / ``out_proj``, dense MLPs, GLM's MLA projections.
 They are a small share of the bytes, so they are served in BF16 (the model's dtype): loaded as FP8
-bytes + scales, dequantised exactly (:func:`vllm_moe_w8.fp8.dequantize_checkpoint` semantics) in
+bytes + scales, dequantised exactly (:func:`vllm_moe_w8.codec.fp8.dequantize_checkpoint` semantics) in
 ``process_weights_after_loading``, then handed over to vLLM's own ``UnquantizedLinearMethod`` (its
 platform GEMM dispatch; MLA reads such a layer's weight directly).
 
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
-from vllm_moe_w8 import fp8
-from vllm_moe_w8.quant_config import NeuronW8Config
+from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
 
 
 def _refine_rows_cols(scale: torch.Tensor, block: tuple[int, int], n_full: int | None, col_tile: int, k_full: int) -> torch.Tensor:

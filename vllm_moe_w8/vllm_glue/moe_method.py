@@ -19,7 +19,7 @@ if any never arrived: a tensor listed in the index but absent from its shard, or
 scale, would otherwise keep the parameter's initial zeros / ones and be served as garbage.
 
 After loading, :meth:`process_weights_after_loading` repacks every local expert with
-:func:`vllm_moe_w8.fp8.repack` in the user's mode (pow2 default, output-block, lut; converted
+:func:`vllm_moe_w8.codec.fp8.repack` in the user's mode (pow2 default, output-block, lut; converted
 checkpoints are already final), runs the numerics self-check on a few sampled experts (on by
 default: the repacked weight must dequantise to the checkpoint's values within the mode's stated
 error, else the load stops naming layer and expert), and logs. ``apply`` maps global expert ids to
@@ -38,8 +38,10 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.utils import set_weight_attrs
 
-from vllm_moe_w8 import fp8, moe_op, moe_reference
-from vllm_moe_w8.quant_config import NeuronW8Config, runtime_settings
+from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.op import custom_op as moe_op
+from vllm_moe_w8.op import reference as moe_reference
+from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config, runtime_settings
 
 logger = init_logger("vllm.neuron_w8")
 
@@ -328,7 +330,7 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         """On a Neuron device, lay the experts out for the NKI kernels once, at load (not at the first call)."""
         if layer.w13_weight.device.type == "cpu" or not moe_op.neuron_status()[0]:
             return
-        from vllm_moe_w8 import neuron_binding
+        from vllm_moe_w8.neuron_glue import binding as neuron_binding
 
         supports = getattr(neuron_binding, "supports", None)
         if supports is not None:
