@@ -160,7 +160,7 @@ def ckpt():
 def test_self_check_is_on_by_default(ckpt, monkeypatch):
     from _plugin_fixtures import make_layer, quant_config_for
 
-    from vllm_moe_w8.vllm_glue.quant_config import SELF_CHECK_ENV
+    from vllm_moe_w8.vllm_glue.settings import SELF_CHECK_ENV
 
     monkeypatch.delenv(SELF_CHECK_ENV, raising=False)
     layer = make_layer(quant_config_for("block"), ckpt)
@@ -192,7 +192,7 @@ def _corrupting_repack(monkeypatch, expert: int, what: str):
 def test_self_check_stops_a_wrong_repack(ckpt, monkeypatch, mode, what):
     from _plugin_fixtures import PREFIX, load_layer, make_layer, quant_config_for
 
-    from vllm_moe_w8.vllm_glue.moe_method import NumericsSelfCheckError
+    from vllm_moe_w8.vllm_glue.self_check import NumericsSelfCheckError
 
     monkeypatch.delenv("VLLM_MOE_W8_SELF_CHECK", raising=False)
     _corrupting_repack(monkeypatch, expert=3, what=what)  # experts 0 and 3 (first and last) are always sampled
@@ -261,7 +261,7 @@ def test_layer_accepts_a_complete_load_and_ignores_other_ranks_experts(ckpt):
     layer = make_layer(quant_config_for("block"), ckpt, ep=(2, 0))
     _feed_all_but(layer, ckpt, (2, "w3", "weight"))
     layer.quant_method.process_weights_after_loading(layer)
-    assert bool(layer.quant_method.loaded.all()) and layer.quant_method.loaded.shape[0] == 2
+    assert bool(layer.quant_method.expert_loads.loaded.all()) and layer.quant_method.expert_loads.loaded.shape[0] == 2
 
 
 # ---- the up-front, header-only checkpoint check (NeuronW8Config.maybe_update_config; no vLLM start-up) -----------

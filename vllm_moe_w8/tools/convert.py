@@ -86,7 +86,7 @@ def _write_config(src_cfg: dict, qc: dict) -> dict:
 
 
 def refined_block(block: tuple[int, int], inter: int, tp: int, ep: bool) -> tuple[int, int]:
-    """The scale tile the plugin uses on a rank (the rule of ``moe_method.rank_block``, DEVELOPING.md):
+    """The scale tile the plugin uses on a rank (the rule of ``vllm_glue.expert_loading.rank_block``, DEVELOPING.md):
     under TP without EP, a tile dimension that I/tp does not divide is refined to gcd(I/tp, tile)."""
     if ep or tp <= 1:
         return block
