@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from vllm_moe_w8.codec.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, read_header, validate_experts
+from vllm_moe_w8.codec.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, read_header
+from vllm_moe_w8.codec.checkpoint_checks import validate_experts
 
 # No shrinking phase: every example writes files, and shrinking a failure took minutes; the raw failing
 # example is printed instead.

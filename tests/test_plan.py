@@ -13,14 +13,8 @@ from pathlib import Path
 import pytest
 
 from vllm_moe_w8.tools import cli
-from vllm_moe_w8.tools.plan import (
-    PlanError,
-    load_model_entry,
-    make_plan,
-    model_shape,
-    moe_layer_indices,
-    packaged_configs,
-)
+from vllm_moe_w8.tools.model_shape import PlanError, model_shape, moe_layer_indices
+from vllm_moe_w8.tools.plan import load_model_entry, make_plan, packaged_configs
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_CANDIDATES = [REPO.parent / "shared" / "docs" / "CHECKPOINTS.md", Path("/work/shared/docs/CHECKPOINTS.md")]

@@ -273,7 +273,7 @@ def test_checkpoint_check_names_a_missing_expert_tensor(tiny_checkpoint, tmp_pat
 
     import corrupt as C
 
-    from vllm_moe_w8.codec.checkpoint import quantization_config
+    from vllm_moe_w8.codec.model_config import quantization_config
     from vllm_moe_w8.tools.convert import convert_checkpoint
     from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
 

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from vllm_moe_w8 import __version__
+from vllm_moe_w8.about import __version__
 
 MODES = ("pow2", "output-block", "lut")  # mirrors vllm_moe_w8.codec.fp8.MODES without importing torch
 

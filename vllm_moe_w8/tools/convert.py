@@ -27,15 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_moe_w8 import __version__
+from vllm_moe_w8.about import __version__
 from vllm_moe_w8.codec.checkpoint import (
     INDEX_NAME,
     Checkpoint,
     CheckpointError,
     parse_expert_name,
-    quantization_config,
-    validate_experts,
 )
+from vllm_moe_w8.codec.model_config import quantization_config
+from vllm_moe_w8.codec.checkpoint_checks import validate_experts
 
 MANIFEST = "neuron_w8_convert.json"
 PROGRESS = ".progress.json"
@@ -218,7 +218,8 @@ def convert_checkpoint(src, out, mode: str = "pow2", tp: int = 1, ep: bool = Fal
     from tqdm.auto import tqdm
 
     from vllm_moe_w8.codec.fp8 import MODES
-    from vllm_moe_w8.tools.plan import PlanError, model_shape, tp_advice
+    from vllm_moe_w8.tools.model_shape import PlanError, model_shape
+    from vllm_moe_w8.tools.plan import tp_advice
 
     t0 = time.perf_counter()
     if mode not in MODES:

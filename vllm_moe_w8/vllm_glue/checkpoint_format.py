@@ -17,7 +17,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_moe_w8 import QUANTIZATION_NAME
+from vllm_moe_w8.about import QUANTIZATION_NAME
 from vllm_moe_w8.codec import fp8
 
 logger = init_logger("vllm.neuron_w8")

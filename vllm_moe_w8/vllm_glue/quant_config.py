@@ -29,7 +29,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from vllm_moe_w8 import QUANTIZATION_NAME
+from vllm_moe_w8.about import QUANTIZATION_NAME
 from vllm_moe_w8.vllm_glue.checkpoint_format import (
     CheckpointFormat,
     UnsupportedCheckpoint,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
-from vllm_moe_w8 import QUANTIZATION_NAME
+from vllm_moe_w8.about import QUANTIZATION_NAME
 
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # [min, max) as (major, minor)
 SUPPORTED_VLLM_TEXT = ">=0.32.0,<0.33"
