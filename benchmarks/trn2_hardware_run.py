@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS  # noqa: E402
-from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.codec import fp8  # noqa: E402
 from vllm_moe_w8.neuron_glue import binding as neuron_binding  # noqa: E402
 from vllm_moe_w8.kernels import host, launch, nki_api  # noqa: E402
 from vllm_moe_w8.op.reference import activate, dequantize_expert, dequantize_w13, reference_moe  # noqa: E402

@@ -31,8 +31,8 @@ pytest.importorskip("vllm")
 
 from _plugin_fixtures import rel_err, routing  # noqa: E402
 
-from vllm_moe_w8.codec import fp8
-from vllm_moe_w8.op import reference as moe_reference
+from vllm_moe_w8.codec import fp8  # noqa: E402
+from vllm_moe_w8.op import reference as moe_reference  # noqa: E402
 from vllm_moe_w8 import tiny_models  # noqa: E402
 
 pytestmark = pytest.mark.vllm

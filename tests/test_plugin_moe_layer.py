@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from _plugin_fixtures import PREFIX, dense_moe, load_layer, make_checkpoint, make_layer, quant_config_for, rel_err, routing  # noqa: E402
 
-from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.codec import fp8  # noqa: E402
 from vllm_moe_w8.op import reference as moe_reference  # noqa: E402
 from vllm_moe_w8.vllm_glue.self_check import POW2_BOUND_SLACK  # noqa: E402
 

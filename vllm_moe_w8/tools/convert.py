@@ -34,8 +34,8 @@ from vllm_moe_w8.codec.checkpoint import (
     CheckpointError,
     parse_expert_name,
 )
-from vllm_moe_w8.codec.model_config import quantization_config
 from vllm_moe_w8.codec.checkpoint_checks import validate_experts
+from vllm_moe_w8.codec.model_config import quantization_config
 
 MANIFEST = "neuron_w8_convert.json"
 PROGRESS = ".progress.json"

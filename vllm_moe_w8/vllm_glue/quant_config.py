@@ -80,7 +80,7 @@ class NeuronW8Config(QuantizationConfig):
         user = (user_quant or "").lower() or None
         method = str((hf_quant_cfg or {}).get("quant_method", "")).lower()
         if user == QUANTIZATION_NAME:
-            # The user asked for us: claim it, and refuse now (clearly) what we cannot serve.
+            # --quantization neuron-w8 was given: claim the checkpoint, and refuse now (clearly) what cannot be served.
             parse_checkpoint_format(hf_quant_cfg)
             check_architecture(hf_config)
             return QUANTIZATION_NAME
