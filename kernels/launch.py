@@ -1,6 +1,6 @@
 """Run the MoE kernels on torch tensors through a simulator: AWS's ``nki.simulate`` when real NKI is
 importable, else the project's interpreter (which also returns the run's counters). Tests and the
-benchmark use this; on a Neuron device the binding (vllm_moe_w8/neuron_binding.py) launches the kernels."""
+benchmark use this; on a Neuron device the binding (vllm_moe_w8/neuron_glue/binding.py) launches the kernels."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def run(args: dict, out_path: str) -> None:
             kwargs["hf_overrides"] = dense_mla
         entry: dict = {}
         llm = None
-        from vllm_moe_w8 import cpu_rope_fix
+        from vllm_moe_w8.vllm_glue import cpu_rope_fix
 
         cpu_rope_fix.enabled = spec.get("rope_fix", True)
         try:

@@ -1,4 +1,4 @@
-"""vllm_moe_w8.cpu_rope_fix: vLLM 0.32's CPU rotary kernel mis-handles 3-D query/key (MLA); the correction routes
+"""vllm_moe_w8.vllm_glue.cpu_rope_fix: vLLM 0.32's CPU rotary kernel mis-handles 3-D query/key (MLA); the correction routes
 exactly those calls to vLLM's own torch path (``RotaryEmbedding.forward_static``, the independent reference here)
 and leaves 2-D calls to the C++ op. No engine start: a real ``RotaryEmbedding`` under a default vLLM config."""
 
@@ -12,8 +12,8 @@ pytest.importorskip("vllm", reason="the correction patches vLLM's CPU rotary emb
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding  # noqa: E402
 
-from vllm_moe_w8 import cpu_rope_fix  # noqa: E402
-from vllm_moe_w8.vllm_plugin import installed_vllm_version  # noqa: E402
+from vllm_moe_w8.vllm_glue import cpu_rope_fix  # noqa: E402
+from vllm_moe_w8.vllm_glue.register import installed_vllm_version  # noqa: E402
 
 HEADS, NOPE, ROPE, KV_WIDTH, KV_LORA = 4, 64, 64, 832, 512  # GLM-5 / DeepSeek MLA shapes (the CPU MLA head size)
 

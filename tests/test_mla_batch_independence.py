@@ -1,6 +1,6 @@
 """MLA attention (GLM-5) on vLLM's CPU build: a prompt's logprobs do not depend on what it is batched with.
 
-vLLM 0.32's CPU rotary kernel mixes tokens of a batch under MLA (``vllm_moe_w8.cpu_rope_fix``). Here one child
+vLLM 0.32's CPU rotary kernel mixes tokens of a batch under MLA (``vllm_moe_w8.vllm_glue.cpu_rope_fix``). Here one child
 process runs a tiny GLM-5 FP8 checkpoint with ``neuron-w8`` (dense MLA, fp32) and asks for the teacher-forced prompt
 logprobs of prompt A alone, then of A batched between two others, with and without the correction. The engine core
 runs in the child's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): every prompt of one ``generate`` call is

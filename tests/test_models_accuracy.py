@@ -16,7 +16,7 @@ prompts no longer than ``index_topk`` (64 here), so the checkpoint, its MoE and 
 Both runs schedule alike: the engine core runs in the child's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
 three prompts of one ``generate`` call always form one batch. (With the engine core in its own process a batch
 depended on message timing; under vLLM's CPU rotary bug for MLA that made GLM-5 flaky, see
-``vllm_moe_w8.cpu_rope_fix`` and tests/test_mla_batch_independence.py.)
+``vllm_moe_w8.vllm_glue.cpu_rope_fix`` and tests/test_mla_batch_independence.py.)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_moe_w8 import neuron_binding
+from vllm_moe_w8.neuron_glue import binding as neuron_binding
 from vllm_moe_w8.kernels import host, nki_api
 
 
@@ -19,7 +19,7 @@ def test_unavailable_here_with_a_reason_the_op_can_log():
 
 
 def test_the_op_sees_the_binding():
-    from vllm_moe_w8 import moe_op
+    from vllm_moe_w8.op import custom_op as moe_op
 
     ok, reason = moe_op.neuron_status()
     assert (ok, reason) == neuron_binding.available()

@@ -8,58 +8,41 @@ count ``T``, and runs eagerly unchanged.
 
 Dispatch (see DEVELOPING.md, "The MoE op", for the signature and semantics):
 
-* tensors on a Neuron/XLA device and ``vllm_moe_w8.neuron_binding`` importable and ``available()``:
-  the NKI kernel ``neuron_binding.fused_moe_neuron``;
-* otherwise the exact CPU implementation ``vllm_moe_w8.cpu_moe.fused_moe_cpu`` (touches only the
-  routed experts); if that module is absent, the fp32 reference ``moe_reference.reference_moe``.
+* tensors on a Neuron/XLA device and the Neuron binding (``vllm_moe_w8.neuron_glue.binding``) ``available()``:
+  the NKI kernels through ``binding.fused_moe_neuron``; tensors off CPU without it are an error;
+* tensors on CPU: the exact CPU implementation ``vllm_moe_w8.op.cpu.fused_moe_cpu`` (touches only the
+  routed experts).
 
+Both implementations are imported directly: one that cannot be imported is an error naming it, never a
+silent switch to the fp32 reference (``reference`` is what tests compare the op with, not a fallback).
+The binding guards its own Neuron imports, so importing it here is harmless on any host.
 :func:`compute_path` reports which path runs and why (the plugin logs it). Imports neither vLLM nor NKI.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 
-from vllm_moe_w8 import moe_reference
+try:
+    from vllm_moe_w8.op import cpu
+except ImportError as exc:  # the CPU path is not optional: say which module is broken
+    raise ImportError(f"moe_w8.fused_moe: its CPU implementation vllm_moe_w8.op.cpu failed to import: {exc}") from exc
+from vllm_moe_w8.neuron_glue import binding
 
 OP_NAME = "moe_w8::fused_moe"
 CODE_FORMATS = ("e4m3", "e4m3fn")
 ACTIVATIONS = ("silu",)
-
-
-@functools.lru_cache(maxsize=None)
-def _optional_module(name: str):
-    """Import ``vllm_moe_w8.<name>`` if it exists; (module or None, reason)."""
-    try:
-        return importlib.import_module(f"vllm_moe_w8.{name}"), ""
-    except ImportError as exc:  # the module is optional (owned by another engineer / absent here)
-        return None, f"{type(exc).__name__}: {exc}"
+CPU_IMPLEMENTATION = "op.cpu.fused_moe_cpu"
+NEURON_IMPLEMENTATION = "neuron_glue.binding.fused_moe_neuron"
 
 
 def neuron_status() -> tuple[bool, str]:
     """(usable, reason) for the Neuron implementation."""
-    mod, why = _optional_module("neuron_binding")
-    if mod is None:
-        return False, f"vllm_moe_w8.neuron_binding not importable ({why})"
-    available = getattr(mod, "available", None)
-    if available is None or not hasattr(mod, "fused_moe_neuron"):
-        return False, "vllm_moe_w8.neuron_binding has no available()/fused_moe_neuron()"
     try:
-        ok, reason = available()
+        ok, reason = binding.available()
     except Exception as exc:  # a broken Neuron install must not take the CPU path down
-        return False, f"neuron_binding.available() raised {type(exc).__name__}: {exc}"
+        return False, f"neuron_glue.binding.available() raised {type(exc).__name__}: {exc}"
     return bool(ok), str(reason)
-
-
-def _cpu_impl():
-    mod, why = _optional_module("cpu_moe")
-    fn = getattr(mod, "fused_moe_cpu", None) if mod is not None else None
-    if fn is not None:
-        return fn, "cpu_moe.fused_moe_cpu", "exact CPU implementation"
-    return None, "moe_reference.reference_moe", f"cpu_moe.fused_moe_cpu unavailable ({why or 'no fused_moe_cpu'}); fp32 reference"
 
 
 def compute_path(device: torch.device | str = "cpu") -> tuple[str, str]:
@@ -67,13 +50,12 @@ def compute_path(device: torch.device | str = "cpu") -> tuple[str, str]:
     device = torch.device(device)
     ok, reason = neuron_status()
     if device.type != "cpu" and ok:
-        return "neuron_binding.fused_moe_neuron", f"Neuron available: {reason}"
-    _, name, why = _cpu_impl()
+        return NEURON_IMPLEMENTATION, f"Neuron available: {reason}"
     if device.type == "cpu":
         where = f"tensors on CPU; Neuron path {'available but unused' if ok else 'unavailable: ' + reason}"
     else:
         where = f"tensors on {device.type} but Neuron path unavailable: {reason}"
-    return name, f"{why}; {where}"
+    return CPU_IMPLEMENTATION, f"exact CPU implementation; {where}"
 
 
 def _check(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation):
@@ -118,16 +100,10 @@ def fused_moe(
         ok, reason = neuron_status()
         if not ok:
             raise RuntimeError(f"moe_w8.fused_moe: tensors on {x.device} but the Neuron path is unavailable: {reason}")
-        mod, _ = _optional_module("neuron_binding")
-        return mod.fused_moe_neuron(*args)
+        return binding.fused_moe_neuron(*args)
     if x.shape[0] == 0:
         return x.new_zeros((0, w2.shape[1]))
-    fn, _, _ = _cpu_impl()
-    if fn is not None:
-        out = fn(*args)
-    else:
-        out = moe_reference.reference_moe(*args)
-    return out.to(x.dtype)
+    return cpu.fused_moe_cpu(*args).to(x.dtype)
 
 
 @fused_moe.register_fake

@@ -87,7 +87,7 @@ def _warn_once() -> None:
 
     init_logger("vllm.neuron_w8").warning(
         "neuron-w8: vLLM's CPU rotary-embedding kernel mis-handles 3-D query/key (MLA attention): those calls take "
-        "vLLM's exact torch path instead (vllm_moe_w8.cpu_rope_fix; %s=0 disables). Other layouts are untouched.", ENV)
+        "vLLM's exact torch path instead (vllm_moe_w8.vllm_glue.cpu_rope_fix; %s=0 disables). Other layouts are untouched.", ENV)
 
 
 def install(vllm_version: str) -> str:

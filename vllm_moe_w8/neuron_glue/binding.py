@@ -1,7 +1,7 @@
 """Neuron binding: runs ``moe_w8::fused_moe`` on a Trainium device with the NKI kernels in ``kernels/``.
 
 Import-guarded and import-light: importing this module never imports torch_neuronx or nki;
-:func:`available` tries them and says why not. ``moe_op`` calls :func:`available` and
+:func:`available` tries them and says why not. The op (``vllm_moe_w8.op.custom_op``) calls :func:`available` and
 :func:`fused_moe_neuron` (the op's signature, DEVELOPING.md); a MoE method may call
 :func:`prepare_weights` once per layer at load time, otherwise the first call re-lays out and caches.
 
