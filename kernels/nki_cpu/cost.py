@@ -1,8 +1,8 @@
 """Cost model: a run's :class:`~.machine.Stats` -> estimated time on one NeuronCore-v3 (Trn2).
 
 The constants live in :mod:`.calibration`, each with its source (AWS documentation, the published profile of
-the reference implementation, or "fitted"); ``calibration.md`` in the README lists them with the figures they
-reproduce. The rules:
+the reference implementation, or "fitted" by :mod:`.calibrate`); the README's kernel-figures section lists them
+beside the published figures they reproduce. The rules:
 
 * **DMA queues** (``dma_s``, Explorer's "DMA active time"): bytes at the effective DMA rate plus a fixed
   cost per DMA instruction (``dma_copy``); small transfers are dominated by the fixed cost.
