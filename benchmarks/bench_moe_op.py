@@ -2,7 +2,7 @@
 
 Side by side in one run, for each model shape and token count T (random top-k routing):
 
-* ``w8``      -- ``vllm_moe_w8.cpu_moe.fused_moe_cpu`` (the op's CPU body; native kernel where it builds),
+* ``w8``      -- ``vllm_moe_w8.op.cpu.fused_moe_cpu`` (the op's CPU body; native kernel where it builds),
                  experts resident as uint8 codes + float32 scales;
 * ``bf16``    -- a BF16 torch MoE over the dequantised weights written the way vLLM's CPU torch path did
                  it (tokens sorted by expert, per-expert ``F.linear`` / SiLU-and-mul / ``F.linear``, weighted sum);
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vllm_moe_w8 import cpu_moe
+from vllm_moe_w8.op import cpu as cpu_moe
 
 MODELS = {
     # name: (hidden H, moe intermediate I, routed experts E, top-k)
@@ -191,7 +191,7 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     cpu_moe.native_available()  # build before timing
-    from vllm_moe_w8 import cpu_moe_native
+    from vllm_moe_w8.op import native as cpu_moe_native
 
     impl = "native" if cpu_moe.native_available() else f"torch ({cpu_moe_native.unavailable_reason()})"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

@@ -27,7 +27,7 @@ def kernel_args(hidden: torch.Tensor, affinities: torch.Tensor, kw: host.KernelW
 
 def simulate_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights,
                  stats: list | None = None, kernel=None, swiglu_limit: float = 0.0) -> torch.Tensor:
-    """Routed sum [T, H] fp32 computed by the kernel for ``kw.mode`` (or ``kernel``), bucketed like the binding.
+    """Routed sum [T, H] fp32 computed by the kernel for ``kw.mode`` (or ``kernel``), bucketed like ``neuron_glue.kernel_launch``.
 
     With the interpreter, each call's :class:`nki_cpu.Stats` is appended to ``stats`` when given."""
     kernel = kernel or KERNELS[kw.mode]

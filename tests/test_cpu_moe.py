@@ -1,4 +1,4 @@
-"""The CPU MoE op (vllm_moe_w8.cpu_moe) against the float64 reference MoE over exactly dequantised weights.
+"""The CPU MoE op (vllm_moe_w8.op.cpu) against the float64 reference MoE over exactly dequantised weights.
 
 Every implementation (the portable torch path and, where it builds, the native kernel) must give the
 reference's numbers up to float32 rounding, for every scale layout the op accepts.
@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from vllm_moe_w8 import cpu_moe, fp8
-from vllm_moe_w8.moe_reference import reference_moe
+from vllm_moe_w8.op import cpu as cpu_moe
+from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.op.reference import reference_moe
 
 # float32 compute (products of exactly dequantised weights, sums of <= a few thousand terms, two
 # matmuls deep) vs a float64 reference: a few hundred float32 ulps of the output's magnitude.
@@ -178,7 +179,7 @@ def test_bad_arguments_are_named():
 @pytest.fixture
 def fresh_native(monkeypatch):
     """cpu_moe_native with its load state reset (restored afterwards)."""
-    from vllm_moe_w8 import cpu_moe_native
+    from vllm_moe_w8.op import native as cpu_moe_native
 
     monkeypatch.setattr(cpu_moe_native, "_lib", None)
     monkeypatch.setattr(cpu_moe_native, "_reason", None)
@@ -201,7 +202,7 @@ def test_falls_back_to_torch_and_says_why(fresh_native, monkeypatch, caplog, how
     gen = torch.Generator().manual_seed(5)
     ids, wts = make_routing(3, 2, e, gen)
     x = torch.randn(3, h).to(torch.bfloat16)
-    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.cpu_moe"):
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
         out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
     assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
     assert any("torch implementation" in r.getMessage() and "unavailable" in r.getMessage() for r in caplog.records)
@@ -213,6 +214,6 @@ def test_native_build_is_cached_and_logged(fresh_native, caplog):
     assert first.exists() and fresh_native.build() == first  # second call: the cached file, no rebuild
     assert cpu_moe.native_available()
     w13, w13_s, w2, w2_s = make_experts(2, 128, 64, (64, 64), "e4m3")
-    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.cpu_moe"):
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
         cpu_moe.fused_moe_cpu(torch.randn(1, 128), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int64), w13, w13_s, w2, w2_s, 64, 64, "e4m3")
     assert any("native kernel" in r.getMessage() for r in caplog.records)

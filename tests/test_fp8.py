@@ -13,7 +13,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from vllm_moe_w8 import fp8
+from vllm_moe_w8.codec import fp8
 
 ALL_CODES = np.arange(256, dtype=np.uint8)
 FINITE_FN = ALL_CODES[(ALL_CODES & 0x7F) != 0x7F]

@@ -12,6 +12,11 @@ they may only differ by fp32 summation order; Qwen3.5's Gated DeltaNet runs only
 named tolerance. GLM-5's DSA attention is refused by the CPU build ("Sparse Attention is not
 supported on CPU"); its runs use dense MLA (``_models_runner.dense_mla``), which equals DSA for
 prompts no longer than ``index_topk`` (64 here), so the checkpoint, its MoE and its MLA run for real.
+
+Both runs schedule alike: the engine core runs in the child's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
+three prompts of one ``generate`` call always form one batch. (With the engine core in its own process a batch
+depended on message timing; under vLLM's CPU rotary bug for MLA that made GLM-5 flaky, see
+``vllm_moe_w8.vllm_glue.cpu_rope_fix`` and tests/test_mla_batch_independence.py.)
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def case(request, tiny_checkpoint, tiny_twin, tmp_path_factory):
     runs = [{"name": "neuron-w8", "model": str(ckpt), "dense_mla": dense, "llm": {"quantization": "neuron-w8", "dtype": dtype}},
             {"name": "twin", "model": str(twin), "dense_mla": dense, "llm": {"dtype": dtype}}]
     results = run_models_child({"runs": runs, "prompts": PROMPTS, "max_tokens": 6, "max_model_len": 128},
-                               tmp_path_factory.mktemp(name), timeout=1500)
+                               tmp_path_factory.mktemp(name), timeout=1500, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     return name, results
 
 

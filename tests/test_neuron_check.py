@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from vllm_moe_w8 import cli
+from vllm_moe_w8.tools import cli
 from vllm_moe_w8.neuron_glue import kernel_check, kernel_launch, neuron_check
 
 SMALL = dict(hidden=256, inter=256, experts_neuron=4, experts_cpu=3, top_k=4)  # interpreter time on 2 shared cores

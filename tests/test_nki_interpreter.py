@@ -275,11 +275,14 @@ def test_cost_model_charges_each_engine_from_the_counters():
     out, stats = run(matmul_kernel(k=128, m=128, n=512), NONE, NONE)
     est = cost.estimate(stats)
     assert stats.matmul_count == 1
-    assert est.tensor_s == pytest.approx(512 / cost.TENSOR_HZ)
+    fixed = cost.cal.CALIBRATED.matmul_fixed_cycles  # per-matmul issue/fill cost (calibration.py)
+    assert est.tensor_s == pytest.approx((512 + fixed) / cost.TENSOR_HZ)
     # memset x2 on VectorE (512 and 128 free elements), tensor_copy of [128, 512]
     assert est.vector_s == pytest.approx((512 + 128 + 512) / cost.VECTOR_HZ)
     assert est.hbm_s == pytest.approx(out.nbytes / cost.HBM_BYTES_PER_S)
-    assert est.time_s == max(est.engines.values()) and est.serial_s == pytest.approx(sum(est.engines.values()))
+    assert est.time_s == max(est.lanes.values()) and est.dma_count == 1
+    assert est.dma_s == pytest.approx(out.nbytes / cost.cal.CALIBRATED.dma_bytes_per_s + cost.cal.CALIBRATED.dma_fixed_s)
+    assert est.serial_s == pytest.approx(sum(v for k, v in est.engines.items() if k != "hbm"))
 
 
     @jit

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_moe_w8 import fp8
+from vllm_moe_w8.codec import fp8
 from vllm_moe_w8.kernels import host, launch
 from vllm_moe_w8.kernels.moe_w8 import T_MAX, moe_w8_output_block, moe_w8_pow2
 from vllm_moe_w8.kernels.nki_api import BACKEND
-from vllm_moe_w8.moe_reference import activate, dequantize_expert, dequantize_w13, reference_moe
+from vllm_moe_w8.op.reference import activate, dequantize_expert, dequantize_w13, reference_moe
 
 # The kernel's only rounding beyond fp32 accumulation: the activation SiLU(g)*u*affinity is rounded to
 # bf16 (unit roundoff 2**-9) before the down projection, so |kernel - reference| <= 2**-9 * sum_j |W2[h, j]| |act_j|.

@@ -12,15 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_moe_w8 import cli
-from vllm_moe_w8.plan import (
-    PlanError,
-    load_model_entry,
-    make_plan,
-    model_shape,
-    moe_layer_indices,
-    packaged_configs,
-)
+from vllm_moe_w8.tools import cli
+from vllm_moe_w8.tools.model_shape import PlanError, model_shape, moe_layer_indices
+from vllm_moe_w8.tools.plan import load_model_entry, make_plan, packaged_configs
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE_CANDIDATES = [REPO.parent / "shared" / "docs" / "CHECKPOINTS.md", Path("/work/shared/docs/CHECKPOINTS.md")]
@@ -157,8 +151,8 @@ def test_scale_model_matches_a_converted_checkpoint(tmp_path):
     """The plan's with-scales bytes equal the bytes `convert` actually writes (pow2 and output-block)."""
     pytest.importorskip("tokenizers")
     from vllm_moe_w8 import tiny_models
-    from vllm_moe_w8.checkpoint import Checkpoint
-    from vllm_moe_w8.convert import convert_checkpoint
+    from vllm_moe_w8.codec.checkpoint import Checkpoint
+    from vllm_moe_w8.tools.convert import convert_checkpoint
 
     src = tiny_models.write_checkpoint(tmp_path / "src", "qwen3-moe")
     for mode in ("pow2", "output-block"):

@@ -17,8 +17,9 @@ pytest.importorskip("vllm")
 
 from _plugin_fixtures import PREFIX, dense_moe, load_layer, make_checkpoint, make_layer, quant_config_for, rel_err, routing  # noqa: E402
 
-from vllm_moe_w8 import fp8, moe_reference  # noqa: E402
-from vllm_moe_w8.moe_method import POW2_BOUND_SLACK  # noqa: E402
+from vllm_moe_w8.codec import fp8  # noqa: E402
+from vllm_moe_w8.op import reference as moe_reference  # noqa: E402
+from vllm_moe_w8.vllm_glue.self_check import POW2_BOUND_SLACK  # noqa: E402
 
 # fp32 accumulation over H=256 / I<=384 products vs a float64 reference, plus pow2's counted
 # round-to-nearest-even values (each <= 2**-9 x its block scale): measured ~1e-6 of max|out|.
@@ -84,7 +85,7 @@ def test_stored_weights_dequantise_to_the_checkpoint(scale_dtype):
                     scale = fp8.expand_scales(ckpt.scales[e, shard].float(), tuple(want.shape), (128, 128))
                     assert bool(((got - want).abs() <= 2.0**-9 * POW2_BOUND_SLACK * scale).all())
                     changed += int((got != want).sum())
-    assert changed == int(pow2.quant_method.quant_config.load_stats["values_rounded"])
+    assert changed == int(pow2.quant_method.load_summary.totals["values_rounded"])
     assert gate.shape == (inter, ckpt.hidden)
 
 
@@ -137,7 +138,7 @@ def test_ep_rank_loop_holds_and_repacks_only_local_experts(ckpt, tokens):
         loaded = load_layer(layer, ckpt)
         assert loaded == ckpt.num_experts // 2 * 6  # 3 weights + 3 scales per local expert
         assert layer.w13_weight.shape[0] == ckpt.num_experts // 2
-        stats = layer.quant_method.quant_config.load_stats
+        stats = layer.quant_method.load_summary.totals
         assert stats["blocks"] == ckpt.num_experts // 2 * (3 * 2 + 3 * 2 + 2 * 3)  # local experts only
         total += layer.quant_method.apply(layer, x, w, ids).double()
     assert rel_err(total, ref_out) < SUMMATION_RTOL
@@ -161,7 +162,7 @@ def test_self_check_stops_a_bad_repack_and_can_be_disabled(ckpt, monkeypatch):
         return out
 
     monkeypatch.setattr(fp8, "repack", corrupt)
-    from vllm_moe_w8.moe_method import NumericsSelfCheckError
+    from vllm_moe_w8.vllm_glue.self_check import NumericsSelfCheckError
 
     layer = make_layer(quant_config_for("block"), ckpt)
     with pytest.raises(NumericsSelfCheckError, match=rf"layer {PREFIX}, expert 3 .*down_proj\[5, 7\]"):
@@ -209,7 +210,7 @@ def test_load_logs_start_and_summary(ckpt):
 def test_converted_checkpoint_loads_without_repack(ckpt, tokens, mode):
     """uint8 codes + fp32 scales as `vllm-moe-w8 convert` writes them: loaded as they are (no second repack),
     at TP1 and in a TP2 rank loop (tiles refined to 64 rows on 192-row ranks); same output as converting at load."""
-    from vllm_moe_w8.quant_config import NeuronW8Config
+    from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
 
     block = (128, 0) if mode == "output-block" else (128, 128)
     converted = {}

@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 
-from vllm_moe_w8 import cpu_moe, fp8
-from vllm_moe_w8 import moe_op  # noqa: F401  (defines torch.ops.moe_w8.fused_moe)
+from vllm_moe_w8.op import cpu as cpu_moe
+from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.op import custom_op as moe_op  # noqa: F401  (defines torch.ops.moe_w8.fused_moe)
 
 E, H, I, T, K = 4, 256, 256, 5, 2  # noqa: E741
 
@@ -159,7 +160,7 @@ def ckpt():
 def test_self_check_is_on_by_default(ckpt, monkeypatch):
     from _plugin_fixtures import make_layer, quant_config_for
 
-    from vllm_moe_w8.quant_config import SELF_CHECK_ENV
+    from vllm_moe_w8.vllm_glue.settings import SELF_CHECK_ENV
 
     monkeypatch.delenv(SELF_CHECK_ENV, raising=False)
     layer = make_layer(quant_config_for("block"), ckpt)
@@ -191,7 +192,7 @@ def _corrupting_repack(monkeypatch, expert: int, what: str):
 def test_self_check_stops_a_wrong_repack(ckpt, monkeypatch, mode, what):
     from _plugin_fixtures import PREFIX, load_layer, make_layer, quant_config_for
 
-    from vllm_moe_w8.moe_method import NumericsSelfCheckError
+    from vllm_moe_w8.vllm_glue.self_check import NumericsSelfCheckError
 
     monkeypatch.delenv("VLLM_MOE_W8_SELF_CHECK", raising=False)
     _corrupting_repack(monkeypatch, expert=3, what=what)  # experts 0 and 3 (first and last) are always sampled
@@ -260,7 +261,7 @@ def test_layer_accepts_a_complete_load_and_ignores_other_ranks_experts(ckpt):
     layer = make_layer(quant_config_for("block"), ckpt, ep=(2, 0))
     _feed_all_but(layer, ckpt, (2, "w3", "weight"))
     layer.quant_method.process_weights_after_loading(layer)
-    assert bool(layer.quant_method.loaded.all()) and layer.quant_method.loaded.shape[0] == 2
+    assert bool(layer.quant_method.expert_loads.loaded.all()) and layer.quant_method.expert_loads.loaded.shape[0] == 2
 
 
 # ---- the up-front, header-only checkpoint check (NeuronW8Config.maybe_update_config; no vLLM start-up) -----------
@@ -272,9 +273,9 @@ def test_checkpoint_check_names_a_missing_expert_tensor(tiny_checkpoint, tmp_pat
 
     import corrupt as C
 
-    from vllm_moe_w8.checkpoint import quantization_config
-    from vllm_moe_w8.convert import convert_checkpoint
-    from vllm_moe_w8.quant_config import NeuronW8Config
+    from vllm_moe_w8.codec.model_config import quantization_config
+    from vllm_moe_w8.tools.convert import convert_checkpoint
+    from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
 
     base = tiny_checkpoint("qwen3-moe", fmt="channel" if fmt == "channel" else "block")
     if fmt == "converted":

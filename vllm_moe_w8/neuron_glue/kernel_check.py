@@ -4,7 +4,7 @@
 A layer is random checkpoint-like FP8 experts (each 128x128 block quantised with amax / 448 in E4M3FN,
 as real checkpoints are), repacked by ``fp8.repack`` for the kernel mode, laid out once by
 ``host.to_kernel_layout``, and called through ``kernel_launch.run_routed_experts`` (wrap_nki on Neuron,
-the interpreter elsewhere). The reference is ``moe_reference.reference_moe`` on the same repacked bytes.
+the interpreter elsewhere). The reference is ``op.reference.reference_moe`` on the same repacked bytes.
 
 The gate: the kernels' only rounding beyond fp32 accumulation is the activation
 SiLU(gate) * up * routing weight rounded to bf16 (unit roundoff 2**-9) before the down projection, so
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moe_w8 import fp8
+from vllm_moe_w8.codec import fp8
 from vllm_moe_w8.kernels import host
-from vllm_moe_w8.moe_reference import activate, dequantize_expert, dequantize_w13, reference_moe
+from vllm_moe_w8.op.reference import activate, dequantize_expert, dequantize_w13, reference_moe
 
 ACT_BF16_ROUNDOFF = 2.0**-9  # bf16 unit roundoff: the activation's one rounding
 BOUND_SLACK = 1.5  # fp32 accumulation over <= 4096 terms (2**-24 each) and fp32 SiLU / scale products

@@ -7,7 +7,7 @@
    and dense pow2 on FP8 subnormal codes) through ``kernel_launch.run_routed_experts`` - wrap_nki on a
    Neuron host, the interpreter elsewhere - against the fp32 reference, with the error, the gate
    (``kernel_check``), the cost model's per-call time and the measured wall time.
-3. On a Neuron host: serves the demo's tiny model with ``--quantization neuron-w8`` (``vllm_moe_w8.demo``).
+3. On a Neuron host: serves the demo's tiny model with ``--quantization neuron-w8`` (``vllm_moe_w8.tools.demo``).
 
 Exit codes: 0 all checks ran and passed (Neuron host); 1 a check failed or the Neuron path cannot start;
 2 no Neuron host: what CPU can check passed, the rest is listed as missing.
@@ -165,7 +165,7 @@ def modelled_in_interpreter(lnc: int, experts: int) -> dict[str, float]:
 
 
 def serve_tiny_model() -> int:
-    from vllm_moe_w8.demo import run_demo
+    from vllm_moe_w8.tools.demo import run_demo
 
     return run_demo(directory=None, prompt="Hello!", timeout=1800.0, max_tokens=8, json_out=False, mode=None, keep_log=True)
 

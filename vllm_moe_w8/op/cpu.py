@@ -2,12 +2,12 @@
 
 ``fused_moe_cpu`` computes ``out[t] = sum_j w[t, j] * W2_e (silu(W1_e x_t) * W3_e x_t)`` over the
 experts ``e = topk_ids[t, j] >= 0`` with every ``W`` the exactly dequantised weight (FP8 code x its
-tile's float32 scale, rounded once to float32 -- the same numbers as :func:`vllm_moe_w8.fp8.dequantize`),
+tile's float32 scale, rounded once to float32 -- the same numbers as :func:`vllm_moe_w8.codec.fp8.dequantize`),
 in float32, returned in ``x``'s dtype. See DEVELOPING.md, "The MoE op", for the storage layout.
 
 Two implementations, the same numbers up to float32 summation order (both touch only the routed experts and group tokens by expert):
 
-* ``native`` (:mod:`vllm_moe_w8.cpu_moe_native` builds ``csrc/cpu_moe_kernel.cpp`` at first use, ~5 s
+* ``native`` (:mod:`vllm_moe_w8.op.native` builds ``csrc/cpu_moe_kernel.cpp`` at first use, ~5 s
   of g++, cached): FP8 byte -> float16 bits with one shift/and/add, float16 -> float32 with F16C, times
   the tile's scale -- the same float32 weight as ``fp8.dequantize``. An expert routed to <= 8 tokens has
   each 16 codes decoded in registers and used at once by all its tokens (decode-bound, reads 1 byte per
@@ -28,9 +28,9 @@ import math
 
 import torch
 
-from vllm_moe_w8 import fp8
+from vllm_moe_w8.codec import fp8
 
-logger = logging.getLogger("vllm.vllm_moe_w8.cpu_moe")
+logger = logging.getLogger("vllm.vllm_moe_w8.op.cpu")
 
 CODE_FORMATS = ("e4m3", "e4m3fn")
 ACTIVATIONS = ("silu",)
@@ -57,7 +57,7 @@ def check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be [T, H] bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
     if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
-        raise ValueError(f"w13/w2 must hold uint8 FP8 codes, got {w13.dtype}/{w2.dtype}; repack the experts with vllm_moe_w8.fp8.repack")
+        raise ValueError(f"w13/w2 must hold uint8 FP8 codes, got {w13.dtype}/{w2.dtype}; repack the experts with vllm_moe_w8.codec.fp8.repack")
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
     t, h = x.shape
@@ -171,9 +171,9 @@ def fused_moe_torch(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, b
 
 def native_available() -> bool:
     """Whether the native kernel builds and runs on this machine (built on first call)."""
-    from vllm_moe_w8 import cpu_moe_native
+    from vllm_moe_w8.op import native
 
-    return cpu_moe_native.load() is not None
+    return native.load() is not None
 
 
 def native_supports(h: int, inter: int, block_k: int) -> bool:
@@ -188,12 +188,12 @@ def _ptr(t: torch.Tensor) -> int:
 def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
                      activation="silu", swiglu_limit=0.0) -> torch.Tensor:
     """The native kernel (see module docstring); raises RuntimeError where it is unavailable."""
-    from vllm_moe_w8 import cpu_moe_native
+    from vllm_moe_w8.op import native
 
     t, h, inter, _ = check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
-    lib = cpu_moe_native.load()
+    lib = native.load()
     if lib is None:
-        raise RuntimeError(f"native CPU MoE kernel unavailable: {cpu_moe_native.unavailable_reason()}")
+        raise RuntimeError(f"native CPU MoE kernel unavailable: {native.unavailable_reason()}")
     if not native_supports(h, inter, block_k):
         raise RuntimeError(f"native CPU MoE kernel needs H, I and block_k multiples of 16 (H={h}, I={inter}, block_k={block_k})")
     out = torch.zeros(t, h, dtype=torch.float32)
@@ -235,8 +235,8 @@ def fused_moe_cpu(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, blo
         _log_once("native-shape", "neuron-w8 CPU MoE: shapes H=%d I=%d block_k=%d not covered by the native kernel; torch implementation",
                   x.shape[-1], w2.shape[-1], block_k, level=logging.WARNING)
     else:
-        from vllm_moe_w8 import cpu_moe_native
+        from vllm_moe_w8.op import native
 
         _log_once("torch", "neuron-w8 CPU MoE: torch implementation (exact, dequantises each routed expert per call); native kernel unavailable: %s",
-                  cpu_moe_native.unavailable_reason(), level=logging.WARNING)
+                  native.unavailable_reason(), level=logging.WARNING)
     return fused_moe_torch(*args)

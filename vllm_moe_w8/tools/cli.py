@@ -12,9 +12,9 @@ import argparse
 import json
 import sys
 
-from vllm_moe_w8 import __version__
+from vllm_moe_w8.about import __version__
 
-MODES = ("pow2", "output-block", "lut")  # mirrors vllm_moe_w8.fp8.MODES without importing torch
+MODES = ("pow2", "output-block", "lut")  # mirrors vllm_moe_w8.codec.fp8.MODES without importing torch
 
 
 def _print_json(obj) -> None:
@@ -22,7 +22,7 @@ def _print_json(obj) -> None:
 
 
 def cmd_inspect(args) -> int:
-    from vllm_moe_w8.inspect_ckpt import format_report, inspect_checkpoint
+    from vllm_moe_w8.tools.inspect_ckpt import format_report, inspect_checkpoint
 
     report = inspect_checkpoint(args.checkpoint, scan=args.scan, progress=not args.json and not args.quiet)
     _print_json(report) if args.json else print(format_report(report))
@@ -30,7 +30,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from vllm_moe_w8.plan import PlanError, format_plan, make_plan, resolve_config
+    from vllm_moe_w8.tools.plan import PlanError, format_plan, make_plan, resolve_config
 
     try:
         config, source = resolve_config(args.target, args.config)
@@ -45,7 +45,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from vllm_moe_w8.convert import convert_checkpoint
+    from vllm_moe_w8.tools.convert import convert_checkpoint
 
     report = convert_checkpoint(args.checkpoint, args.out, mode=args.mode, tp=args.tp, ep=args.ep, force=args.force,
                                 progress=not args.json and not args.quiet)
@@ -60,7 +60,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from vllm_moe_w8.demo import run_demo
+    from vllm_moe_w8.tools.demo import run_demo
 
     return run_demo(directory=args.dir, prompt=args.prompt, timeout=args.timeout, max_tokens=args.max_tokens,
                     json_out=args.json, mode=args.mode, keep_log=args.keep_log)
@@ -73,7 +73,7 @@ def cmd_neuron_check(args) -> int:
 
 
 def cmd_configs(args) -> int:
-    from vllm_moe_w8.plan import load_model_entry, packaged_configs
+    from vllm_moe_w8.tools.plan import load_model_entry, packaged_configs
 
     rows = []
     for stem in packaged_configs():
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - every failure becomes a one-line message and exit 1
-        from vllm_moe_w8.checkpoint import CheckpointError
+        from vllm_moe_w8.codec.checkpoint import CheckpointError
 
         if isinstance(e, (CheckpointError, ValueError, OSError)):
             _fail(args, str(e))

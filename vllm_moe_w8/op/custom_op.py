@@ -8,59 +8,42 @@ count ``T``, and runs eagerly unchanged.
 
 Dispatch (see DEVELOPING.md, "The MoE op", for the signature and semantics):
 
-* tensors on CPU: the exact CPU implementation ``vllm_moe_w8.cpu_moe.fused_moe_cpu`` (touches only the
-  routed experts); if that module is absent, the fp32 reference ``moe_reference.reference_moe``;
-* tensors on any other device: an error. On Trainium2 vLLM's own model classes (which call this op)
-  do not run: vllm-neuron builds its own, and the experts there call the NKI kernels through
+* tensors on CPU: the exact CPU implementation ``vllm_moe_w8.op.cpu.fused_moe_cpu`` (touches only the
+  routed experts);
+* tensors on any other device: an error. On Trainium2 vLLM's own model classes (which call this op) do not
+  run: vllm-neuron builds its own, and the experts there call the NKI kernels through
   ``vllm_moe_w8.neuron_glue.kernel_launch`` on their kernel-layout weights (the only resident copy).
 
+The CPU implementation is imported directly: one that cannot be imported is an error naming it, never a
+silent switch to the fp32 reference (``reference`` is what tests compare the op with, not a fallback).
 :func:`compute_path` reports which path runs and why (the plugin logs it). Imports neither vLLM nor NKI.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 
-from vllm_moe_w8 import moe_reference
+try:
+    from vllm_moe_w8.op import cpu
+except ImportError as exc:  # the CPU path is not optional: say which module is broken
+    raise ImportError(f"moe_w8.fused_moe: its CPU implementation vllm_moe_w8.op.cpu failed to import: {exc}") from exc
 
 OP_NAME = "moe_w8::fused_moe"
 CODE_FORMATS = ("e4m3", "e4m3fn")
 ACTIVATIONS = ("silu",)
-
-
-@functools.lru_cache(maxsize=None)
-def _optional_module(name: str):
-    """Import ``vllm_moe_w8.<name>`` if it exists; (module or None, reason)."""
-    try:
-        return importlib.import_module(f"vllm_moe_w8.{name}"), ""
-    except ImportError as exc:  # the module is optional (owned by another engineer / absent here)
-        return None, f"{type(exc).__name__}: {exc}"
-
-
+CPU_IMPLEMENTATION = "op.cpu.fused_moe_cpu"
 NEURON_PATH = ("the MoE op has no device path: on Trainium2 the experts run inside vllm-neuron's models through "
                "vllm_moe_w8.neuron_glue.kernel_launch (kernel-layout weights, NKI kernels launched with wrap_nki)")
-
-
-def _cpu_impl():
-    mod, why = _optional_module("cpu_moe")
-    fn = getattr(mod, "fused_moe_cpu", None) if mod is not None else None
-    if fn is not None:
-        return fn, "cpu_moe.fused_moe_cpu", "exact CPU implementation"
-    return None, "moe_reference.reference_moe", f"cpu_moe.fused_moe_cpu unavailable ({why or 'no fused_moe_cpu'}); fp32 reference"
 
 
 def compute_path(device: torch.device | str = "cpu") -> tuple[str, str]:
     """(implementation name, reason) the op uses for tensors on ``device``."""
     device = torch.device(device)
-    _, name, why = _cpu_impl()
     if device.type == "cpu":
         where = "tensors on CPU (on Neuron the experts run through vllm_moe_w8.neuron_glue, not this op)"
     else:
         where = f"tensors on {device.type}: refused ({NEURON_PATH})"
-    return name, f"{why}; {where}"
+    return CPU_IMPLEMENTATION, f"exact CPU implementation; {where}"
 
 
 def _check(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation):
@@ -105,12 +88,7 @@ def fused_moe(
         raise RuntimeError(f"moe_w8.fused_moe: tensors on {x.device}, but {NEURON_PATH}")
     if x.shape[0] == 0:
         return x.new_zeros((0, w2.shape[1]))
-    fn, _, _ = _cpu_impl()
-    if fn is not None:
-        out = fn(*args)
-    else:
-        out = moe_reference.reference_moe(*args)
-    return out.to(x.dtype)
+    return cpu.fused_moe_cpu(*args).to(x.dtype)
 
 
 @fused_moe.register_fake

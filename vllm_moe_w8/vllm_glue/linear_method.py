@@ -3,7 +3,7 @@
 FP8 checkpoints quantise more than the routed experts: attention q/k/v/o, shared experts, Qwen3.5's
 linear-attention ``in_proj_qkv`` / ``in_proj_z`` / ``out_proj``, dense MLPs, GLM's MLA projections.
 They are a small share of the bytes, so they are served in BF16 (the model's dtype): loaded as FP8
-bytes + scales, dequantised exactly (:func:`vllm_moe_w8.fp8.dequantize_checkpoint` semantics) in
+bytes + scales, dequantised exactly (:func:`vllm_moe_w8.codec.fp8.dequantize_checkpoint` semantics) in
 ``process_weights_after_loading``, then handed over to vLLM's own ``UnquantizedLinearMethod`` (its
 platform GEMM dispatch; MLA reads such a layer's weight directly).
 
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
-from vllm_moe_w8 import fp8
-from vllm_moe_w8.quant_config import NeuronW8Config
+from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.vllm_glue.checkpoint_format import CheckpointFormat
 
 
 def _refine_rows_cols(scale: torch.Tensor, block: tuple[int, int], n_full: int | None, col_tile: int, k_full: int) -> torch.Tensor:
@@ -49,11 +49,11 @@ def _refine_rows_cols(scale: torch.Tensor, block: tuple[int, int], n_full: int |
 class NeuronW8LinearMethod(LinearMethodBase):
     """FP8 (block or per-channel) linear layer served in the model dtype (see the module docstring)."""
 
-    def __init__(self, quant_config: NeuronW8Config, prefix: str = ""):
-        self.quant_config = quant_config
+    def __init__(self, fmt: CheckpointFormat, prefix: str = ""):
+        self.fmt = fmt
         self.prefix = prefix
-        self.block = quant_config.format.linear_block
-        self.suffix = quant_config.format.linear_scale_suffix
+        self.block = fmt.linear_block
+        self.suffix = fmt.linear_scale_suffix
         self.hand_over = True  # after dequantising, serve with vLLM's UnquantizedLinearMethod (tests may turn off)
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int], input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):

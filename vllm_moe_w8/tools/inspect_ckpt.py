@@ -16,12 +16,9 @@ import re
 from collections import Counter, defaultdict
 from typing import Any
 
-from vllm_moe_w8.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    SUPPORTED_ARCHITECTURES,
-    validate_experts,
-)
+from vllm_moe_w8.codec.checkpoint import Checkpoint, CheckpointError
+from vllm_moe_w8.codec.checkpoint_checks import validate_experts
+from vllm_moe_w8.codec.model_config import SUPPORTED_ARCHITECTURES
 
 FN_ONLY_CODES = tuple(range(0x78, 0x7F))  # magnitudes finite only in e4m3fn (256..448)
 NAN_MAG = 0x7F

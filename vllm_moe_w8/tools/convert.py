@@ -4,7 +4,7 @@ Format (DEVELOPING.md, "Converted checkpoints"): every FP8 routed-expert weight 
 holds uint8 codes already in the mode's code format; its scale is written as float32
 ``...weight_scale_inv`` on the mode's grid; every other tensor and file is copied as it was;
 ``config.json`` gets a ``neuron-w8`` quantization_config that keeps the original under ``source``.
-The codes and scales are exactly :func:`vllm_moe_w8.fp8.repack`'s output (never a second codec).
+The codes and scales are exactly :func:`vllm_moe_w8.codec.fp8.repack`'s output (never a second codec).
 
 Robustness:
 * streams shard by shard: memory holds one shard (plus the odd scale/weight pair split across two);
@@ -27,15 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_moe_w8 import __version__
-from vllm_moe_w8.checkpoint import (
+from vllm_moe_w8.about import __version__
+from vllm_moe_w8.codec.checkpoint import (
     INDEX_NAME,
     Checkpoint,
     CheckpointError,
     parse_expert_name,
-    quantization_config,
-    validate_experts,
 )
+from vllm_moe_w8.codec.checkpoint_checks import validate_experts
+from vllm_moe_w8.codec.model_config import quantization_config
 
 MANIFEST = "neuron_w8_convert.json"
 PROGRESS = ".progress.json"
@@ -54,7 +54,7 @@ def conversion_key(fingerprint: dict, mode: str, tp: int, ep: bool) -> str:
 
 def neuron_w8_quant_config(source_qc: dict, mode: str, expert_block: tuple[int, int], tp: int, ep: bool) -> dict:
     """The quantization_config a converted checkpoint carries (see DEVELOPING.md)."""
-    from vllm_moe_w8.fp8 import CODE_FORMAT
+    from vllm_moe_w8.codec.fp8 import CODE_FORMAT
 
     src_block = source_qc.get("weight_block_size")
     qc = {
@@ -86,7 +86,7 @@ def _write_config(src_cfg: dict, qc: dict) -> dict:
 
 
 def refined_block(block: tuple[int, int], inter: int, tp: int, ep: bool) -> tuple[int, int]:
-    """The scale tile the plugin uses on a rank (the rule of ``moe_method.rank_block``, DEVELOPING.md):
+    """The scale tile the plugin uses on a rank (the rule of ``vllm_glue.expert_loading.rank_block``, DEVELOPING.md):
     under TP without EP, a tile dimension that I/tp does not divide is refined to gcd(I/tp, tile)."""
     if ep or tp <= 1:
         return block
@@ -134,7 +134,7 @@ class _ShardConverter:
         raise CheckpointError(f"{self.ckpt.path / w.file}: tensor '{stem}.weight' has no weight_scale_inv/weight_scale")
 
     def _repack(self, stem: str, f, fname: str, cache: dict):
-        from vllm_moe_w8 import fp8
+        from vllm_moe_w8.codec import fp8
 
         if stem in cache:
             return cache[stem]
@@ -217,8 +217,9 @@ def convert_checkpoint(src, out, mode: str = "pow2", tp: int = 1, ep: bool = Fal
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from vllm_moe_w8.fp8 import MODES
-    from vllm_moe_w8.plan import PlanError, model_shape, tp_advice
+    from vllm_moe_w8.codec.fp8 import MODES
+    from vllm_moe_w8.tools.model_shape import PlanError, model_shape
+    from vllm_moe_w8.tools.plan import tp_advice
 
     t0 = time.perf_counter()
     if mode not in MODES:

@@ -1,7 +1,7 @@
 """The fp32 torch reference MoE: plain, slow, obviously right. Used by tests and benchmarks only.
 
 It takes the op's storage (see DEVELOPING.md, "The MoE op"), dequantises each routed expert in full
-with :mod:`vllm_moe_w8.fp8`, and computes in float32 (float64 with ``dtype=torch.float64``).
+with :mod:`vllm_moe_w8.codec.fp8`, and computes in float32 (float64 with ``dtype=torch.float64``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from vllm_moe_w8 import fp8
+from vllm_moe_w8.codec import fp8
 
 
 def dequantize_expert(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], code_format: str) -> torch.Tensor:

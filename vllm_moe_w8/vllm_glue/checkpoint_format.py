@@ -1,39 +1,24 @@
-"""``NeuronW8Config``: the vLLM ``QuantizationConfig`` of the ``neuron-w8`` method.
+"""What a checkpoint's ``quantization_config`` says, as far as the ``neuron-w8`` method cares.
 
-What it claims (anything else is refused with a message naming what was found and what is supported):
-
-* native block FP8 (``quant_method: fp8``, ``weight_block_size: [128, 128]``, dynamic activations) —
-  Qwen3 / Qwen3.5 / GLM-5 / GLM-5.3-Flash FP8 checkpoints;
-* compressed-tensors per-channel FP8 (weights ``type: float``, ``num_bits: 8``, ``strategy: channel``,
-  ``weight_scale`` [out, 1], dynamic or absent input activations) — GLM-4.5/4.6/4.7-FP8;
-* checkpoints converted by ``vllm-moe-w8 convert`` (``quant_method: neuron-w8``, see DEVELOPING.md).
-
-Selection: ``--quantization neuron-w8`` (any case) on such a checkpoint, or a converted checkpoint by
-itself, or (opt-in) automatically for block-FP8 / per-channel checkpoints of a supported architecture
-when ``VLLM_MOE_W8_AUTO=1``. Without the opt-in vLLM's behaviour is unchanged.
-
-Layer methods: routed experts -> :class:`vllm_moe_w8.moe_method.NeuronW8MoEMethod` (uint8 codes +
-fp32 scales, the ``moe_w8::fused_moe`` op); every other quantised linear layer ->
-:class:`vllm_moe_w8.linear_method.NeuronW8LinearMethod` (dequantised once to the model dtype).
-Layers named by ``modules_to_not_convert`` / ``ignored_layers`` / compressed-tensors ``ignore`` stay
-unquantised.
+:func:`parse_checkpoint_format` classifies the three formats the method serves (native block FP8,
+compressed-tensors per-channel FP8, checkpoints converted by ``vllm-moe-w8 convert``) into a frozen
+:class:`CheckpointFormat` and refuses anything else with :class:`UnsupportedCheckpoint`, naming what was
+found and what is supported. :func:`check_architecture` does the same for the model's architecture, and
+:func:`validate_local_checkpoint` reads a local checkpoint's shard headers to fail fast, naming the file
+and tensor, before vLLM loads anything. Used by the config (``quant_config``) and read by the methods.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from vllm.logger import init_logger
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from vllm_moe_w8 import QUANTIZATION_NAME, fp8
+from vllm_moe_w8.about import QUANTIZATION_NAME
+from vllm_moe_w8.codec import fp8
 
 logger = init_logger("vllm.neuron_w8")
 
@@ -47,7 +32,6 @@ SUPPORTED_ARCHITECTURES = (
     "Glm5NextForConditionalGeneration",
 )
 SUPPORTED_BLOCK = [128, 128]
-AUTO_ENV = "VLLM_MOE_W8_AUTO"
 SUPPORTED_FORMATS_TEXT = (
     "block FP8 (quant_method 'fp8', weight_block_size [128, 128], activation_scheme 'dynamic'), "
     "compressed-tensors per-channel FP8 (weights type 'float', num_bits 8, strategy 'channel'; dynamic "
@@ -224,10 +208,10 @@ def validate_local_checkpoint(model: Any, fmt: CheckpointFormat) -> None:
     Catches what vLLM's own loader reports without the file name (truncated or garbled shards) or does
     not report at all (a tensor the index lists but its shard lacks, an expert weight without its scale:
     the parameter would keep its initial zeros / ones). Reads the index and each shard's JSON header
-    (:class:`vllm_moe_w8.checkpoint.Checkpoint`), never tensor data. A hub id, or a folder without
+    (:class:`vllm_moe_w8.codec.checkpoint.Checkpoint`), never tensor data. A hub id, or a folder without
     safetensors files, is left to vLLM (the MoE method's loader-side check still covers its experts).
     """
-    from vllm_moe_w8 import checkpoint as ck
+    from vllm_moe_w8.codec import checkpoint as ck
 
     path = Path(str(model)).expanduser() if model else None
     if path is None or not path.is_dir() or not (
@@ -255,212 +239,3 @@ def validate_local_checkpoint(model: Any, fmt: CheckpointFormat) -> None:
         )
     logger.debug("neuron-w8: checked %d shard headers (%d tensors) of %s in %.3f s",
                  len(ckpt.shard_files), len(ckpt.tensors), path, time.perf_counter() - t0)
-
-
-def _auto_enabled() -> bool:
-    return os.environ.get(AUTO_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-class NeuronW8Config(QuantizationConfig):
-    """vLLM config object of the ``neuron-w8`` method (one per model)."""
-
-    def __init__(self, checkpoint_format: CheckpointFormat | None = None) -> None:
-        super().__init__()
-        if checkpoint_format is None:
-            parse_checkpoint_format(None)  # raises the "no quantization_config" message
-        self.format: CheckpointFormat = checkpoint_format
-        self.ignored: list[str] = list(checkpoint_format.ignored)
-        # Load bookkeeping shared by every MoE layer of this model (logging, summary).
-        self.moe_layers_created = 0
-        self.moe_layers_processed = 0
-        self.load_stats: dict[str, float] = {}
-
-    # ---- QuantizationConfig interface -------------------------------------------------------
-    @classmethod
-    def get_name(cls) -> str:
-        return QUANTIZATION_NAME
-
-    @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "NeuronW8Config":
-        return cls(parse_checkpoint_format(config))
-
-    @classmethod
-    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None) -> str | None:
-        user = (user_quant or "").lower() or None
-        method = str((hf_quant_cfg or {}).get("quant_method", "")).lower()
-        if user == QUANTIZATION_NAME:
-            # The user asked for us: claim it, and refuse now (clearly) what we cannot serve.
-            parse_checkpoint_format(hf_quant_cfg)
-            check_architecture(hf_config)
-            return QUANTIZATION_NAME
-        if user is None and method == QUANTIZATION_NAME:
-            check_architecture(hf_config)
-            return QUANTIZATION_NAME
-        if user is None and method in ("fp8", "compressed-tensors") and _auto_enabled():
-            try:
-                parse_checkpoint_format(hf_quant_cfg)
-                check_architecture(hf_config)
-            except UnsupportedCheckpoint as exc:
-                logger.info("neuron-w8: %s=1 but not claiming this checkpoint: %s", AUTO_ENV, exc)
-                return None
-            logger.info("neuron-w8: claiming the %s checkpoint automatically (%s=1)", method, AUTO_ENV)
-            return QUANTIZATION_NAME
-        return None
-
-    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None):
-        """vLLM calls this with the model path while it builds its config, before any engine or weight load."""
-        if hf_config is not None:
-            check_architecture(hf_config)
-        validate_local_checkpoint(model_name, self.format)
-
-    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
-        plain = [p for p in self.ignored if not p.startswith("re:")]
-        regex = [p for p in self.ignored if p.startswith("re:")]
-        self.ignored = list(hf_to_vllm_mapper.apply_list(plain)) + plain + regex
-
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        from vllm.model_executor.layers.fused_moe import RoutedExperts
-        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-
-        if isinstance(layer, LinearBase):
-            if self.is_layer_skipped(prefix):
-                return UnquantizedLinearMethod()
-            from vllm_moe_w8.linear_method import NeuronW8LinearMethod
-
-            return NeuronW8LinearMethod(self, prefix)
-        if isinstance(layer, RoutedExperts):
-            if self.is_layer_skipped(prefix):
-                from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
-
-                return UnquantizedFusedMoEMethod(layer.moe_config)
-            from vllm_moe_w8.moe_method import NeuronW8MoEMethod
-
-            return NeuronW8MoEMethod(self, layer, prefix)
-        return None
-
-    # ---- skip lists ----------------------------------------------------------------------------
-    def _matches(self, name: str) -> bool:
-        for pattern in self.ignored:
-            if pattern.startswith("re:"):
-                if re.fullmatch(pattern[3:], name) or re.match(pattern[3:], name):
-                    return True
-            elif name == pattern or name.endswith("." + pattern) or name.startswith(pattern + "."):
-                return True
-        return False
-
-    def is_layer_skipped(self, prefix: str) -> bool:
-        """True if ``prefix`` (or, for a fused layer, every shard of it) is in the skip list."""
-        if not self.ignored:
-            return False
-        if self._matches(prefix):
-            return True
-        proj = prefix.rsplit(".", 1)[-1]
-        shards = self.packed_modules_mapping.get(proj)
-        if not shards:
-            return False
-        base = prefix[: len(prefix) - len(proj)]
-        flags = [self._matches(base + s) for s in shards]
-        if all(flags):
-            return True
-        if any(flags):
-            raise ValueError(
-                f"neuron-w8: fused layer {prefix!r} mixes skipped and quantised shards "
-                f"({dict(zip(shards, flags))}) according to modules_to_not_convert/ignore; such a checkpoint cannot be loaded"
-            )
-        return False
-
-
-# ---- runtime settings: --additional-config '{"neuron_w8": {...}}' and environment ------------------
-ADDITIONAL_CONFIG_KEY = "neuron_w8"
-SETTINGS_DEFAULTS = {"mode": None, "self_check": True, "self_check_experts": 3}
-MODE_ENV = "VLLM_MOE_W8_MODE"
-SELF_CHECK_ENV = "VLLM_MOE_W8_SELF_CHECK"
-
-
-@dataclass(frozen=True)
-class RuntimeSettings:
-    """Resolved user settings. ``mode`` is final (None never escapes :func:`runtime_settings`)."""
-
-    mode: str
-    mode_source: str
-    self_check: bool
-    self_check_experts: int
-
-
-def _as_bool(value: Any, what: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"neuron-w8: {what} must be true or false, got {value!r}")
-
-
-def user_settings(additional_config: Any = None) -> dict:
-    """The ``neuron_w8`` section of vLLM's additional_config (validated keys), or {}."""
-    if additional_config is None:
-        try:
-            from vllm.config import get_current_vllm_config_or_none
-
-            vc = get_current_vllm_config_or_none()
-            additional_config = getattr(vc, "additional_config", None) if vc is not None else None
-        except ImportError:  # pragma: no cover - vLLM without this helper
-            additional_config = None
-    section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}) if isinstance(additional_config, dict) else {}
-    if not isinstance(section, dict):
-        raise ValueError(f"neuron-w8: additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be an object, got {section!r}")
-    unknown = sorted(set(section) - set(SETTINGS_DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"neuron-w8: unknown additional_config[{ADDITIONAL_CONFIG_KEY!r}] key(s) {unknown}; known keys: "
-            f"{sorted(SETTINGS_DEFAULTS)} (automatic claiming is the environment variable {AUTO_ENV}=1: vLLM picks the "
-            "quantization method before additional_config is available)"
-        )
-    return section
-
-
-def runtime_settings(fmt: CheckpointFormat, additional_config: Any = None) -> RuntimeSettings:
-    """Mode and self-check settings, by precedence: additional_config > environment > checkpoint > default.
-
-    A converted checkpoint's mode is fixed (its codes are already in that mode's format): asking for
-    another one is an error.
-    """
-    section = user_settings(additional_config)
-    if section.get("mode") is not None:
-        mode, source = section["mode"], f"additional_config {ADDITIONAL_CONFIG_KEY}.mode"
-    elif os.environ.get(MODE_ENV):
-        mode, source = os.environ[MODE_ENV].strip(), f"environment {MODE_ENV}"
-    elif fmt.converted:
-        mode, source = fmt.mode, "converted checkpoint"
-    elif fmt.checkpoint_mode is not None:
-        mode, source = fmt.checkpoint_mode, "checkpoint quantization_config.mode"
-    else:
-        mode, source = "pow2", "default"
-    if mode not in fp8.MODES:
-        raise ValueError(f"neuron-w8: mode {mode!r} (from {source}) unknown; choose one of {', '.join(fp8.MODES)}")
-    if fmt.converted and mode != fmt.mode:
-        raise ValueError(
-            f"neuron-w8: the checkpoint was converted with mode {fmt.mode!r}, but {source} asks for {mode!r}; "
-            "a converted checkpoint's codes are final: drop the setting or convert the original FP8 checkpoint again"
-        )
-    self_check = section.get("self_check")
-    if self_check is None:
-        self_check = os.environ.get(SELF_CHECK_ENV, "1")
-    n = int(section.get("self_check_experts", SETTINGS_DEFAULTS["self_check_experts"]))
-    if n < 0:
-        raise ValueError(f"neuron-w8: self_check_experts must be >= 0, got {n}")
-    return RuntimeSettings(mode, source, _as_bool(self_check, "self_check"), n)

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from vllm_moe_w8 import __version__
+from vllm_moe_w8.about import __version__
 
 DEMO_ARCH = "qwen3.5-moe"
 MARKER = "vllm_moe_w8_demo.json"
