@@ -159,7 +159,7 @@ def test_output_block_glm_shape(glm_ckpt):
     check_kernel(_slice_experts(glm_ckpt, 2), "output-block", 64, top_k=2, seed=6, swiglu_limit=GLM_TEST_SWIGLU_LIMIT)
 
 
-# --- contract checks on entry -------------------------------------------------------------------------------
+# --- contract checks on the host, before every launch -------------------------------------------------------------------------------
 
 def _small_args(mode="pow2", tokens=16, experts=2, hidden=256, inter=128):
     w13 = np.zeros((experts, 128, hidden // 128, 2 * inter), np.uint8)
@@ -174,13 +174,7 @@ def _small_args(mode="pow2", tokens=16, experts=2, hidden=256, inter=128):
 
 
 def _run(kernel, args):
-    if BACKEND == "interpreter":
-        from vllm_moe_w8.kernels.nki_cpu import run
-
-        return run(kernel, *args)[0]
-    from vllm_moe_w8.kernels.nki_api import simulate
-
-    return simulate(kernel)(*args)
+    return launch.run_kernel(kernel, *args)
 
 
 def test_output_block_kernel_refuses_block_scales():
