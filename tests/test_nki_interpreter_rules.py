@@ -231,3 +231,12 @@ def test_the_project_kernels_pass_the_subset_check():
 
     for kernel in (moe_w8_pow2, moe_w8_output_block):
         check_traced_subset(kernel.fn)  # raises on the first construct outside the subset
+
+
+def test_tensor_tensor_and_activation_refuse_operators_of_the_other_kind():
+    legal_then_refused(lambda a, b, col, st, mv, ps, pt: nisa.tensor_tensor(dst=a, data1=a, data2=b, op=nl.maximum),
+                       lambda a, b, col, st, mv, ps, pt: nisa.tensor_tensor(dst=a, data1=a, data2=b, op=nl.exp),
+                       "op nl.exp is not supported")
+    legal_then_refused(lambda a, b, col, st, mv, ps, pt: nisa.activation(dst=a, op=nl.exp, data=b),
+                       lambda a, b, col, st, mv, ps, pt: nisa.activation(dst=a, op=nl.add, data=b),
+                       "activation op nl.add is not supported")
