@@ -33,7 +33,7 @@ from _plugin_fixtures import rel_err, routing  # noqa: E402
 
 from vllm_moe_w8 import fp8, moe_reference, tiny_models  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+# In-process (a VllmConfig and the model class, no engine): quick, needs vLLM importable (skip above).
 
 HIDDEN, INTER, EXPERTS, TOP_K = 256, 384, 8, 2
 MLP_LAYER_TYPES = ["dense", "sparse", "sparse"]
