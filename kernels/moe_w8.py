@@ -192,7 +192,8 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
                     nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
                     nisa.tensor_scalar(dst=up, data=up, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
                 nisa.activation(dst=silu, op=nl.silu, data=gate)
-            nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=aff[:, tt, e:e + 1])
+            nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=aff[:, tt, e:e + 1],
+                               engine=nisa.engine.scalar)  # VectorE is the busier engine (pow2 block adds)
             if mode == OUTPUT_BLOCK:
                 for nb in range(w // P):
                     blk = slice(nb * P, (nb + 1) * P)
