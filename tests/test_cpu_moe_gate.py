@@ -32,10 +32,14 @@ def wrong_rank_slice(w13, w13_s, w2, w2_s):
     w2[3] = torch.roll(w2[3], shifts=64, dims=1).clone()  # expert 3's down columns taken from the wrong offset
 
 
+# Scale and code faults in every storage the op reads (pow2 / lut / output-block); the layout faults once.
+CASES = [(fault, fmt, block) for fmt, block in (("e4m3", (128, 128)), ("e4m3fn", (128, 128)), ("e4m3", (128, 0)))
+         for fault in (double_one_scale_tile, flip_one_code)]
+CASES += [(swap_gate_up, "e4m3", (128, 128)), (wrong_rank_slice, "e4m3", (128, 128))]
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("fmt,block", [("e4m3", (128, 128)), ("e4m3fn", (128, 128)), ("e4m3", (128, 0))])
-@pytest.mark.parametrize("fault", [double_one_scale_tile, swap_gate_up, flip_one_code, wrong_rank_slice],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fault,fmt,block", CASES, ids=[f"{f.__name__}-{fmt}-{b[1]}" for f, fmt, b in CASES])
 def test_cpu_op_gate_catches_one_weight_fault(impl, fmt, block, fault):
     clean = make_experts(E, H, INTER, block, fmt, seed=11)
     gen = torch.Generator().manual_seed(12)
