@@ -78,11 +78,13 @@ def _registered_ops() -> dict:
 
     factory, _ = _nki_op_factory()
     ops = {}
+    host_mode = {moe_w8_pow2: "pow2", moe_w8_output_block: "output-block"}
     for mode, kernel in (("pow2", moe_w8_pow2), ("output-block", moe_w8_output_block)):
         name = "moe_w8::nki_routed_" + mode.replace("-", "_")
 
         def call(hidden: torch.Tensor, w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tensor,
                  w2_scales: torch.Tensor, affinities: torch.Tensor, swiglu_limit: float, _kernel=kernel) -> torch.Tensor:
+            host.check_kernel_args(hidden, w13, w13_scales, w2, w2_scales, affinities, mode=host_mode[_kernel], swiglu_limit=swiglu_limit)
             return _kernel(hidden, w13, w13_scales, w2, w2_scales, affinities, swiglu_limit)
 
         op = factory(name, mutates_args=())(call)
