@@ -29,7 +29,7 @@ def test_the_op_relays_the_binding_and_survives_its_failure(monkeypatch):
         raise RuntimeError("driver missing")
 
     monkeypatch.setattr(neuron_binding, "available", broken)
-    assert moe_op.neuron_status() == (False, "neuron_binding.available() raised RuntimeError: driver missing")
+    assert moe_op.neuron_status() == (False, "neuron_glue.binding.available() raised RuntimeError: driver missing")
 
 
 def test_static_shape_affinities_match_the_host_helper():
