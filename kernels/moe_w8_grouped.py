@@ -11,7 +11,8 @@ whole PSUM accumulation once per 128 output columns.
 * :func:`moe_w8_grouped_pow2` - exact 128x128 block scales.
 * :func:`moe_w8_grouped_output_block` - one scale per 128 output rows.
 
-Arguments, P = 128 (shape contract checked on the host by ``kernels/launch.py``):
+Arguments, P = 128 (shape contract checked on the host before every launch by ``host.check_grouped_args``;
+the traced kernel body has no ``raise``):
 
     rows           [R, H]            bf16     gathered hidden states, R = 128 * sum(expert_tiles)
     row_weight     [R, 1]            float32  routing weight of each row (0 on padding rows)

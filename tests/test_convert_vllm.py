@@ -64,8 +64,7 @@ def _calm_half_tile(path: Path, name: str) -> None:
     save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
-@pytest.mark.vllm
-def test_layers_bit_identical_for_every_rank(tmp_path):
+def test_layers_bit_identical_for_every_rank(tmp_path):  # in-process vLLM layers, no engine: quick
     pytest.importorskip("vllm")
     import torch
 

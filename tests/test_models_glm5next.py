@@ -35,7 +35,7 @@ from vllm_moe_w8.codec import fp8  # noqa: E402
 from vllm_moe_w8.op import reference as moe_reference  # noqa: E402
 from vllm_moe_w8 import tiny_models  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+# In-process (a VllmConfig and the model class, no engine): quick, needs vLLM importable (skip above).
 
 HIDDEN, INTER, EXPERTS, TOP_K = 256, 384, 8, 2
 MLP_LAYER_TYPES = ["dense", "sparse", "sparse"]

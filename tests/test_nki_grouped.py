@@ -129,3 +129,32 @@ def test_an_expert_larger_than_one_pass_is_processed_in_passes(monkeypatch):
     if BACKEND == "interpreter":
         assert passes[0][0].hbm_read_bytes - one_pass[0][0].hbm_read_bytes == 2 * weights  # 3 passes instead of 1
         assert passes[0][0].peak_sbuf_bytes < one_pass[0][0].peak_sbuf_bytes
+
+
+def test_the_grouped_launch_contract_is_checked_on_the_host(qwen_layers):
+    """The traced grouped kernel cannot raise: host.check_grouped_args refuses each broken argument, naming it,
+    and accepts the arguments run_routed_experts builds."""
+    w13, s13, w2, s2, block = qwen_layers["pow2"]
+    kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+    ob = host.to_kernel_layout(*qwen_layers["output-block"][:4], *qwen_layers["output-block"][4], "e4m3")
+    ids = torch.tensor([[0, 3], [3, 5]])
+    g = grouping.group_by_expert(torch.ones(2, 2), ids, kw.num_experts, programs=2)
+    rows = grouping.gather_rows(torch.randn(2, QWEN["H"]), g)
+    weights = (kw.w13, kw.w13_scales, kw.w2, kw.w2_scales)
+    host.check_grouped_args(rows, g.row_weight, *weights, g.expert_tiles, g.expert_program, mode="pow2", programs=2)
+    cases = [
+        ((rows[:128], g.row_weight) + weights + (g.expert_tiles, g.expert_program), "pow2", 2, "rows has 128 rows"),
+        ((rows, g.row_weight[:, 0]) + weights + (g.expert_tiles, g.expert_program), "pow2", 2, "row_weight has shape"),
+        ((rows.float(), g.row_weight) + weights + (g.expert_tiles, g.expert_program), "pow2", 2, "rows has dtype"),
+        ((rows, g.row_weight) + weights + (g.expert_tiles, g.expert_program), "pow2", 1, "outside the launch grid"),
+        ((rows, g.row_weight) + weights + (g.expert_tiles[:-1], g.expert_program), "pow2", 2, "one entry per local expert"),
+        ((rows, g.row_weight) + weights + (g.expert_tiles, g.expert_program), "output-block", 2, "block-scale grid"),
+        ((rows, g.row_weight, ob.w13, ob.w13_scales, ob.w2, ob.w2_scales, g.expert_tiles, g.expert_program), "pow2", 2,
+         "w13_scales has shape"),
+    ]
+    for args, mode, programs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            host.check_grouped_args(*args, mode=mode, programs=programs)
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        host.check_grouped_args(rows, g.row_weight, *weights, g.expert_tiles, g.expert_program, mode="pow2", programs=2,
+                                swiglu_limit=-1.0)

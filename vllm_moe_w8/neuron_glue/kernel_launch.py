@@ -205,6 +205,7 @@ def run_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
         aff = host.dense_affinities(topk_weights, topk_ids, kw.num_experts)
 
         def dense(hidden, aff_chunk):
+            host.check_kernel_args(hidden, *weights, aff_chunk, mode=kw.mode, swiglu_limit=limit)
             partial = launch(kernel, lnc, (hidden,) + weights + (aff_chunk,), {"swiglu_limit": limit}, stats)
             return partial.float().sum(dim=0)  # one partial sum per program (logical core)
 
@@ -213,6 +214,8 @@ def run_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
     if groups.rows == 0:
         return torch.zeros(tokens, kw.hidden_size, dtype=torch.float32)
     rows = grouping.gather_rows(x, groups)
+    host.check_grouped_args(rows, groups.row_weight, *weights, groups.expert_tiles, groups.expert_program, mode=kw.mode,
+                            programs=lnc, swiglu_limit=limit)
     constants = {"expert_tiles": groups.expert_tiles, "expert_program": groups.expert_program, "swiglu_limit": limit}
     rows_out = launch(kernel, lnc, (rows, groups.row_weight) + weights, constants, stats)
     return grouping.scatter_rows(rows_out, groups, tokens)
