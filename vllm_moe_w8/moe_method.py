@@ -40,21 +40,15 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_moe_w8 import fp8, moe_op, moe_reference
 from vllm_moe_w8.quant_config import NeuronW8Config, runtime_settings
+from vllm_moe_w8.self_check import (  # noqa: F401  (re-exported: the errors and bounds callers know from here)
+    POW2_BOUND_SLACK, POW2_RNE_ERROR, NumericsSelfCheckError, check_finite, check_projection, check_rounded_count,
+)
 
 logger = init_logger("vllm.neuron_w8")
 
 SHARD_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 SHARD_INDEX = {"w1": 0, "w3": 1, "w2": 2}
 LOADED_WEIGHT, LOADED_SCALE = 0, 1
-POW2_RNE_ERROR = 2.0**-9  # pow2: a rounded odd subnormal moves by 2**-9 x the checkpoint block scale
-# Both sides of the comparison are fp32 products code x scale, each rounded once (fp32 scales are
-# arbitrary, e.g. GLM's): a rounded value may exceed the exact bound by a few fp32 ulps of a value
-# below 2**-6 x scale, i.e. far less than 2**-10 of the bound.
-POW2_BOUND_SLACK = 1.0 + 2.0**-10
-
-
-class NumericsSelfCheckError(RuntimeError):
-    """The repacked experts do not dequantise to the checkpoint's values within the mode's error."""
 
 
 def rank_block(block: tuple[int, int], size_per_rank: int, tp_size: int) -> tuple[int, int]:
@@ -355,8 +349,7 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
             gate, up = moe_reference.dequantize_w13(w13, s13, e, self.block, self.code_format)
             down = moe_reference.dequantize_expert(w2[e], s2[e], self.block, self.code_format)
             got = {"gate_proj": gate, "up_proj": up, "down_proj": down}
-            if not all(bool(torch.isfinite(t).all()) for t in got.values()):
-                raise NumericsSelfCheckError(f"neuron-w8 self-check: {where} dequantises to non-finite values in {self.code_format} (mode {self.mode})")
+            check_finite(got, where, self.code_format, self.mode)
             if not originals:  # converted checkpoint: no source values here; finiteness is what we can check
                 continue
             c13, o13, c2, o2 = originals[e]
@@ -367,32 +360,11 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
             }
             n_diff = 0
             for proj, (codes, scales) in want.items():
-                exact = fp8.dequantize_checkpoint(codes, scales, block)
-                err = (got[proj] - exact).abs()
-                scale_el = fp8.expand_scales(scales, tuple(codes.shape), block)
-                if self.mode == "lut":
-                    bound = torch.zeros_like(err)
-                elif self.mode == "pow2":
-                    bound = POW2_RNE_ERROR * POW2_BOUND_SLACK * scale_el
-                else:  # output-block: half an e4m3 step at the value's binade, of the new row scale
-                    new_scale = fp8.expand_scales(_rows_scale(got, proj, layer, self, e), tuple(codes.shape), self.block)
-                    q = (exact / new_scale).abs().clamp(min=2.0**-6)
-                    bound = new_scale * torch.exp2(torch.floor(torch.log2(q)) - 4) * (1 + 1e-6)
-                bad = err > bound
-                if bool(bad.any()):
-                    i, j = (int(v) for v in bad.nonzero()[0])
-                    raise NumericsSelfCheckError(
-                        f"neuron-w8 self-check failed: {where}, {proj}[{i}, {j}] dequantises to {float(got[proj][i, j])!r} "
-                        f"but the checkpoint value is {float(exact[i, j])!r} (allowed error {float(bound[i, j])!r} in mode {self.mode}); "
-                        f"{int(bad.sum())} value(s) out of bounds. The load is stopped: report this with the checkpoint name "
-                        "(turn the check off with --additional-config '{\"neuron_w8\": {\"self_check\": false}}' only to debug)"
-                    )
-                n_diff += int((err > 0).sum())
-            if self.mode == "pow2" and n_diff != rounded_per_expert.get(e, 0):
-                raise NumericsSelfCheckError(
-                    f"neuron-w8 self-check failed: {where}: {n_diff} value(s) differ from the checkpoint but the pow2 repack "
-                    f"counted {rounded_per_expert.get(e, 0)} rounded value(s)"
-                )
+                new_scale_el = None
+                if self.mode == "output-block":
+                    new_scale_el = fp8.expand_scales(_rows_scale(got, proj, layer, self, e), tuple(codes.shape), self.block)
+                n_diff += check_projection(got[proj], codes, scales, block, self.mode, where, proj, new_scale_el)
+            check_rounded_count(self.mode, n_diff, rounded_per_expert.get(e, 0), where)
 
     def _account(self, before: int, after: int, stats: fp8.RepackStats, seconds: float, checked: int) -> None:
         qc = self.quant_config
