@@ -20,6 +20,21 @@ from vllm_moe_w8 import tiny_models
 STANDIN = Path(__file__).parent / "neuron_standin"
 
 
+def serialise_kernel_runs(monkeypatch) -> None:
+    """One interpreted kernel at a time: the NKI interpreter keeps process-wide state (it is not thread-safe),
+    and here the ranks are threads of one process (on a Neuron host each rank is its own process)."""
+    from vllm_moe_w8.neuron_glue import experts
+
+    lock = threading.Lock()
+    runner = experts.run_routed_experts_offdevice
+
+    def locked(*args, **kwargs):
+        with lock:
+            return runner(*args, **kwargs)
+
+    monkeypatch.setattr(experts._W8Routed, "w8_runner", staticmethod(locked))
+
+
 def put_standin_on_path() -> None:
     if str(STANDIN) not in sys.path:
         sys.path.insert(0, str(STANDIN))

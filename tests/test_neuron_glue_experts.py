@@ -53,6 +53,7 @@ def glue(monkeypatch):
 
     holder = {}
     monkeypatch.setattr(registration, "current_vllm_config", lambda: holder["config"])
+    st.serialise_kernel_runs(monkeypatch)
     registration.install(NeuronPlatform)
     yield holder
     st.drop_standin()

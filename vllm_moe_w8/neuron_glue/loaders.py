@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -102,10 +102,6 @@ class ExpertSource:
         wanted = {proj: self.names(layer, expert, proj) for proj in PROJS}
         got = self.ckpt.load_many([n for pair in wanted.values() for n in pair])
         return {proj: (got[w], got[s], w) for proj, (w, s) in wanted.items()}
-
-
-def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    return t[start:stop]
 
 
 def _tp_cut(proj: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], plan: RankPlan):
@@ -233,33 +229,49 @@ class DequantizedSlice:
         return self.full()[index]
 
 
+_active = threading.local()  # (fmt, dtype) while a neuron-w8 load runs in this thread
+HOOKED = "_neuron_w8_dequantizing"
+
+
 @contextlib.contextmanager
 def dequantizing_slices(checkpoint_cls, fmt, dtype: torch.dtype):
-    """While active, ``checkpoint_cls._get_slice(key)`` of an FP8 weight returns a :class:`DequantizedSlice`.
+    """While active (in this thread), ``checkpoint_cls._get_slice(key)`` of an FP8 weight returns a :class:`DequantizedSlice`.
 
     ``checkpoint_cls`` is vllm-neuron's ``SafetensorsCheckpoint``; ``fmt`` the checkpoint's
-    :class:`~vllm_moe_w8.quant_config.CheckpointFormat` (its non-expert scale tiles and scale name).
+    :class:`~vllm_moe_w8.quant_config.CheckpointFormat` (its non-expert scale tiles and scale name). The
+    class's method is wrapped once; outside such a block (other models, other threads) it behaves as before.
     """
-    original = checkpoint_cls.__dict__["_get_slice"]
-
-    def _get_slice(self, key):
-        sl = original(self, key)
-        if _slice_dtype(sl) != "F8_E4M3":
-            return sl
-        scale_key = key.rsplit(".", 1)[0] + "." + fmt.linear_scale_suffix if key.endswith(".weight") else None
-        try:
-            scale = original(self, scale_key)[:] if scale_key else None
-        except (KeyError, AttributeError, RuntimeError) as e:
-            raise CheckpointError(f"neuron-w8: FP8 tensor {key!r} has no {fmt.linear_scale_suffix} ({e}); cannot dequantise it") from e
-        if scale is None:
-            raise CheckpointError(f"neuron-w8: FP8 tensor {key!r} is not a '.weight'; cannot find its scale")
-        return DequantizedSlice(sl, scale, tuple(fmt.linear_block), dtype, key)
-
-    checkpoint_cls._get_slice = _get_slice
+    install_slice_hook(checkpoint_cls)
+    previous = getattr(_active, "load", None)
+    _active.load = (fmt, dtype)
     try:
         yield
     finally:
-        checkpoint_cls._get_slice = original
+        _active.load = previous
+
+
+def install_slice_hook(checkpoint_cls) -> None:
+    original = checkpoint_cls.__dict__["_get_slice"]
+    if getattr(original, HOOKED, False):
+        return
+
+    def _get_slice(self, key):
+        sl = original(self, key)
+        load = getattr(_active, "load", None)
+        if load is None or _slice_dtype(sl) != "F8_E4M3":
+            return sl
+        fmt, dtype = load
+        if not key.endswith(".weight"):
+            raise CheckpointError(f"neuron-w8: FP8 tensor {key!r} is not a '.weight'; cannot find its scale")
+        scale_key = f"{key[: -len('weight')]}{fmt.linear_scale_suffix}"
+        try:
+            scale = original(self, scale_key)[:]
+        except (KeyError, AttributeError, RuntimeError) as e:
+            raise CheckpointError(f"neuron-w8: FP8 tensor {key!r} has no {fmt.linear_scale_suffix} ({e}); cannot dequantise it") from e
+        return DequantizedSlice(sl, scale, tuple(fmt.linear_block), dtype, key)
+
+    setattr(_get_slice, HOOKED, True)
+    checkpoint_cls._get_slice = _get_slice
 
 
 def _slice_dtype(sl) -> str | None:
@@ -299,7 +311,3 @@ def log_totals(loads: list[LayerLoad], settings, plan: RankPlan) -> None:
         f"passed on {sum(ld.checked for ld in loads)} experts" if any(ld.checked for ld in loads) else "off",
         sum(ld.seconds for ld in loads), settings.lnc,
     )
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)
