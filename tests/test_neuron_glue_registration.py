@@ -189,7 +189,7 @@ def test_changed_block_interface_is_named(standin, qwen3):
 
     model_bf16.Qwen3MoeExperts.__init__ = without_router
     standin["config"] = st.vllm_config(qwen3)
-    with pytest.raises(interfaces.NeuronGlueError, match=r"model\.layers\.0\.mlp\.experts .*lacks \['router_weight'\]"):
+    with pytest.raises(interfaces.NeuronGlueError, match=r"Qwen3MoeForCausalLM model\.layers\.0\.mlp\.experts .*vllm-neuron 0\.24\.0\.standin\) lacks \['router_weight'\]"):
         with torch.device("meta"):
             Qwen3MoeForCausalLM.from_configs(standin["config"].model_config.hf_config, None)
 

@@ -16,9 +16,10 @@ Forward, per phase, with the same norm, routing and collectives as the module it
   shared expert (``_shared_expert``) -> its ``_combine`` (all-reduce, or reduce-scatter in SP prefill).
 Global expert ids become local ids of this EP rank (linear placement); other ranks' experts are -1.
 
-The kernel call is :func:`run_routed_experts_offdevice`: the NKI kernel executed by the project's CPU
-interpreter (``kernels.launch.simulate_moe``). On a Neuron device it refuses to run: the device launch
-(vllm-neuron's NKI launcher at its LNC) is a separate function and must be used there.
+The kernel call is ``_W8Routed.w8_runner`` (signature ``(x, topk_weights, topk_ids, kw, *, lnc, swiglu_limit)``),
+by default :func:`run_routed_experts_offdevice`: the NKI kernel executed by the project's CPU interpreter
+(``kernels.launch.simulate_moe``). On a Neuron device that one refuses to run: the device launch (vllm-neuron's
+NKI launcher at its LNC, same signature) is the runner there.
 """
 
 from __future__ import annotations
@@ -175,9 +176,9 @@ def layer_index(module_name: str) -> int:
     return int(m.group(1))
 
 
-def adopt(block, target: MoeTarget, module_name: str, plan, settings) -> None:
+def adopt(block, target: MoeTarget, module_name: str, plan, settings, architecture: str = "") -> None:
     """Turn one built vllm-neuron MoE block into ours in place (see the module docstring)."""
-    interfaces.check_block(block, target, module_name)
+    interfaces.check_block(block, target, f"{architecture} {module_name}".strip())
     if getattr(block, "cross_dp_ep", False) or getattr(block, "mlp_dp_size", 1) > 1:
         raise NeuronGlueError(
             f"neuron-w8 on Neuron: {module_name}: expert parallelism across data-parallel replicas and MLP data "

@@ -143,7 +143,7 @@ def supported_text() -> str:
     return ", ".join(names)
 
 
-def _import_attr(module: str, name: str):
+def import_attr(module: str, name: str):
     mod = importlib.import_module(module)
     return getattr(mod, name)
 
@@ -158,8 +158,8 @@ def resolve_target(architecture: str) -> tuple[MoeTarget, type, type]:
     if target is None:
         raise NeuronGlueError(f"{header}: not supported. neuron-w8 replaces the experts of: {supported_text()}")
     try:
-        factory = _import_attr(*target.factory)
-        block = _import_attr(*target.block)
+        factory = import_attr(*target.factory)
+        block = import_attr(*target.block)
     except (ImportError, AttributeError) as e:
         missing = f"{target.factory[0]}.{target.factory[1]} / {target.block[0]}.{target.block[1]}"
         if target is QWEN3_5_MOE and _has_module("vllm_neuron.model.qwen3_5"):

@@ -34,7 +34,7 @@ def install(platform_cls: type) -> None:
         return  # refused in check_and_update_config / verify_quantization, only when neuron-w8 is asked for
     for target in interfaces.TARGETS:
         try:
-            factory = interfaces._import_attr(*target.factory)
+            factory = interfaces.import_attr(*target.factory)
         except (ImportError, AttributeError) as e:
             logger.debug("neuron-w8: %s not wrapped: %s", target.factory, e)
             continue
@@ -146,7 +146,7 @@ def convert_model(model, vllm_config):
     for name, block in blocks:
         plans.append(rank_plan(block, target))
         plans[-1].validate(name)
-        experts.adopt(block, target, name, plans[-1], cfg)
+        experts.adopt(block, target, name, plans[-1], cfg, arch)
     wrap_load_weights(model, arch, cfg, dtype=model_config.dtype)
     logger.info(
         "neuron-w8 on Neuron: %s (vllm-neuron %s): %d MoE blocks use 1-byte experts (mode %s from %s, LNC %d)",
@@ -162,7 +162,7 @@ def wrap_load_weights(model, arch: str, cfg, dtype) -> None:
     if original is None:
         raise NeuronGlueError(f"neuron-w8 on Neuron: the {arch} model has no load_weights (interface changed)")
     try:
-        checkpoint_cls = interfaces._import_attr(*CHECKPOINT_CLASS)
+        checkpoint_cls = interfaces.import_attr(*CHECKPOINT_CLASS)
     except (ImportError, AttributeError) as e:
         raise NeuronGlueError(f"neuron-w8 on Neuron: {'.'.join(CHECKPOINT_CLASS)} is missing ({e}); interface changed") from e
     if "_get_slice" not in vars(checkpoint_cls):
