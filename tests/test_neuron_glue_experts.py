@@ -219,3 +219,22 @@ def test_self_check_stops_a_corrupt_repack(glue, ckpt, monkeypatch):
     monkeypatch.setattr(loaders.fp8, "repack", corrupt)
     with pytest.raises(NumericsSelfCheckError, match=r"layer 0, expert 0 \(local 0\), down_proj\[5, 7\]"):
         load_rank_models(ckpt, glue, 1, ep=False)
+
+
+def test_converted_checkpoint_loads_without_repack(glue, ckpt, tensors, tmp_path):
+    """A `vllm-moe-w8 convert` checkpoint (pow2 codes already final) gives the bytes load-time conversion gives."""
+    from vllm_moe_w8.convert import convert_checkpoint
+
+    world = 2
+    summary = convert_checkpoint(ckpt, tmp_path / "converted", mode="pow2", tp=world, progress=False)
+    assert summary["ok"], summary
+    state, converted = load_rank_models(tmp_path / "converted", glue, world, ep=False)
+    _, original = load_rank_models(ckpt, glue, world, ep=False)
+    for rank in range(world):
+        a = converted[rank].model.layers[1].mlp.experts.w8_kernel_weights()
+        b = original[rank].model.layers[1].mlp.experts.w8_kernel_weights()
+        assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)
+        assert torch.equal(a.w13_scales, b.w13_scales) and torch.equal(a.w2_scales, b.w2_scales)
+    hidden = hidden_states(T_DECODE, 7)
+    outs = run_layer(converted, state, 0, world, hidden, hidden_states(T_PREFILL, 8), None)
+    assert all(st.rel_err(dec, reference(tensors, 0, hidden)) <= REL_TOL for dec, _ in outs)
