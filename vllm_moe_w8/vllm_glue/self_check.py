@@ -7,6 +7,10 @@ the checkpoint block scale, and pow2 must have rounded exactly as many values as
 half an e4m3 step at the value's binade of the new row scale). A converted checkpoint brings no source
 values, so only finiteness is checked. A failure stops the load with :class:`NumericsSelfCheckError`,
 naming layer, expert, projection and element.
+
+Used by the vLLM-generic MoE method (``vllm_glue.moe_method``: :func:`check_repacked_experts`) and by the Neuron
+experts module (``neuron_glue.loaders``: :func:`check_finite`, :func:`check_projection`,
+:func:`check_rounded_count` per expert), so both hosts check the same thing. Imports neither vLLM nor NKI.
 """
 
 from __future__ import annotations
@@ -29,6 +33,59 @@ OUTPUT_BLOCK_BOUND_SLACK = 1.0 + 1e-6
 
 class NumericsSelfCheckError(RuntimeError):
     """The repacked experts do not dequantise to the checkpoint's values within the mode's error."""
+
+
+DISABLE_HINT = "--additional-config '{\"neuron_w8\": {\"self_check\": false}}'"
+
+
+def allowed_error(mode: str, exact: torch.Tensor, scale_el: torch.Tensor, new_scale_el: torch.Tensor | None) -> torch.Tensor:
+    """Per-element bound of |stored - checkpoint| for ``mode`` (see the module docstring)."""
+    if mode == "lut":
+        return torch.zeros_like(exact)
+    if mode == "pow2":
+        return POW2_RNE_ERROR * POW2_BOUND_SLACK * scale_el
+    if mode == "output-block":
+        if new_scale_el is None:
+            raise ValueError("output-block self-check needs the new row scales")
+        q = (exact / new_scale_el).abs().clamp(min=2.0**-6)
+        return new_scale_el * torch.exp2(torch.floor(torch.log2(q)) - 4) * OUTPUT_BLOCK_BOUND_SLACK
+    raise ValueError(f"unknown repack mode {mode!r}")
+
+
+def check_finite(got: dict[str, torch.Tensor], where: str, code_format: str, mode: str) -> None:
+    if not all(bool(torch.isfinite(t).all()) for t in got.values()):
+        raise NumericsSelfCheckError(f"neuron-w8 self-check: {where} dequantises to non-finite values in {code_format} (mode {mode})")
+
+
+def check_projection(got: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], mode: str,
+                     where: str, proj: str, new_scale_el: torch.Tensor | None = None) -> int:
+    """Compare one stored projection (dequantised, fp32 [N, K]) with the checkpoint's codes x scales on tile ``block``.
+
+    Returns how many values differ at all (pow2: must equal the repack's rounded count, see
+    :func:`check_rounded_count`); raises :class:`NumericsSelfCheckError` on the first value out of bounds."""
+    exact = fp8.dequantize_checkpoint(codes, scales, block)
+    err = (got - exact).abs()
+    scale_el = fp8.expand_scales(scales, tuple(codes.shape), block)
+    bound = allowed_error(mode, exact, scale_el, new_scale_el)
+    bad = err > bound
+    if bool(bad.any()):
+        i, j = (int(v) for v in bad.nonzero()[0])
+        raise NumericsSelfCheckError(
+            f"neuron-w8 self-check failed: {where}, {proj}[{i}, {j}] dequantises to {float(got[i, j])!r} "
+            f"but the checkpoint value is {float(exact[i, j])!r} (allowed error {float(bound[i, j])!r} in mode {mode}); "
+            f"{int(bad.sum())} value(s) out of bounds. The load is stopped: report this with the checkpoint name "
+            f"(turn the check off with {DISABLE_HINT} only to debug)"
+        )
+    return int((err > 0).sum())
+
+
+def check_rounded_count(mode: str, n_diff: int, counted: int, where: str) -> None:
+    """pow2 only: the values that changed must be exactly the ones the repack says it rounded."""
+    if mode == "pow2" and n_diff != counted:
+        raise NumericsSelfCheckError(
+            f"neuron-w8 self-check failed: {where}: {n_diff} value(s) differ from the checkpoint but the pow2 repack "
+            f"counted {counted} rounded value(s)"
+        )
 
 
 def check_repacked_experts(
@@ -58,8 +115,7 @@ def check_repacked_experts(
         gate, up = reference.dequantize_w13(w13, s13, e, block, code_format)
         down = reference.dequantize_expert(w2[e], s2[e], block, code_format)
         got = {"gate_proj": gate, "up_proj": up, "down_proj": down}
-        if not all(bool(torch.isfinite(t).all()) for t in got.values()):
-            raise NumericsSelfCheckError(f"neuron-w8 self-check: {where} dequantises to non-finite values in {code_format} (mode {mode})")
+        check_finite(got, where, code_format, mode)
         if not originals:  # converted checkpoint: no source values here; finiteness is what we can check
             continue
         c13, o13, c2, o2 = originals[e]
@@ -72,29 +128,6 @@ def check_repacked_experts(
         row_scales = {"gate_proj": s13[e, :rows], "up_proj": s13[e, rows:], "down_proj": s2[e]}
         n_diff = 0
         for proj, (codes, scales) in want.items():
-            exact = fp8.dequantize_checkpoint(codes, scales, load_block)
-            err = (got[proj] - exact).abs()
-            scale_el = fp8.expand_scales(scales, tuple(codes.shape), load_block)
-            if mode == "lut":
-                bound = torch.zeros_like(err)
-            elif mode == "pow2":
-                bound = POW2_RNE_ERROR * POW2_BOUND_SLACK * scale_el
-            else:  # output-block: half an e4m3 step at the value's binade, of the new row scale
-                new_scale = fp8.expand_scales(row_scales[proj], tuple(codes.shape), block)
-                q = (exact / new_scale).abs().clamp(min=2.0**-6)
-                bound = new_scale * torch.exp2(torch.floor(torch.log2(q)) - 4) * OUTPUT_BLOCK_BOUND_SLACK
-            bad = err > bound
-            if bool(bad.any()):
-                i, j = (int(v) for v in bad.nonzero()[0])
-                raise NumericsSelfCheckError(
-                    f"neuron-w8 self-check failed: {where}, {proj}[{i}, {j}] dequantises to {float(got[proj][i, j])!r} "
-                    f"but the checkpoint value is {float(exact[i, j])!r} (allowed error {float(bound[i, j])!r} in mode {mode}); "
-                    f"{int(bad.sum())} value(s) out of bounds. The load is stopped: report this with the checkpoint name "
-                    "(turn the check off with --additional-config '{\"neuron_w8\": {\"self_check\": false}}' only to debug)"
-                )
-            n_diff += int((err > 0).sum())
-        if mode == "pow2" and n_diff != rounded_per_expert.get(e, 0):
-            raise NumericsSelfCheckError(
-                f"neuron-w8 self-check failed: {where}: {n_diff} value(s) differ from the checkpoint but the pow2 repack "
-                f"counted {rounded_per_expert.get(e, 0)} rounded value(s)"
-            )
+            new_scale_el = fp8.expand_scales(row_scales[proj], tuple(codes.shape), block) if mode == "output-block" else None
+            n_diff += check_projection(got[proj], codes, scales, load_block, mode, where, proj, new_scale_el)
+        check_rounded_count(mode, n_diff, rounded_per_expert.get(e, 0), where)

@@ -1,0 +1,165 @@
+"""Test helpers for the Neuron glue: the vllm-neuron stand-in on sys.path, rank loops, the fp32 reference.
+
+The stand-in (tests/neuron_standin/, see its README) reproduces only the vllm-neuron signatures the glue
+uses; it is not vllm-neuron. Ranks of a TP/EP group run as threads of this process (its groups exchange
+tensors through a barrier), each building and loading the model as vllm-neuron's runner does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from vllm_moe_w8 import tiny_models
+
+STANDIN = Path(__file__).parent / "neuron_standin"
+
+
+def serialise_kernel_runs(monkeypatch) -> None:
+    """One interpreted kernel at a time: the NKI interpreter keeps process-wide state (it is not thread-safe),
+    and here the ranks are threads of one process (on a Neuron host each rank is its own process)."""
+    from vllm_moe_w8.neuron_glue import experts
+
+    lock = threading.Lock()
+    runner = experts.run_kernels
+
+    def locked(*args, **kwargs):
+        with lock:
+            return runner(*args, **kwargs)
+
+    monkeypatch.setattr(experts._W8Routed, "w8_runner", staticmethod(locked))
+
+
+def put_standin_on_path() -> None:
+    if str(STANDIN) not in sys.path:
+        sys.path.insert(0, str(STANDIN))
+
+
+def drop_standin() -> None:
+    for name in [m for m in sys.modules if m == "vllm_neuron" or m.startswith("vllm_neuron.")]:
+        del sys.modules[name]
+    if str(STANDIN) in sys.path:
+        sys.path.remove(str(STANDIN))
+
+
+def as_namespace(d):
+    if isinstance(d, dict):
+        return SimpleNamespace(**{k: as_namespace(v) for k, v in d.items()})
+    return d
+
+
+def hf_config(path: Path):
+    """config.json as attributes (quantization_config stays a dict, as transformers keeps it)."""
+    raw = json.loads((path / "config.json").read_text())
+    cfg = as_namespace(raw)
+    cfg.quantization_config = raw.get("quantization_config")
+    return cfg
+
+
+def vllm_config(path: Path, quantization="neuron-w8", additional_config=None):
+    return SimpleNamespace(
+        model_config=SimpleNamespace(quantization=quantization, hf_config=hf_config(path), dtype=torch.bfloat16),
+        additional_config=additional_config or {},
+    )
+
+
+def run_ranks(world: int, fn):
+    """Run ``fn(rank)`` on ``world`` threads; return the results by rank (re-raising the first error)."""
+    results, errors = [None] * world, []
+
+    def body(rank):
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            for b in barriers:
+                b.abort()
+
+    barriers = list(_barriers)
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _barriers.clear()
+    if errors:
+        raise errors[0]
+    return results
+
+
+_barriers: list = []
+
+
+def make_groups(world: int, ep: bool):
+    """Per-rank state for a world of ``world`` ranks: TP over all of them, or EP = world with TP 1 inside."""
+    from vllm_neuron.parallel import neuron_parallel_state as ps
+
+    tp = ps.ThreadGroup(world)
+    _barriers.append(tp.barrier)
+
+    def state(rank):
+        tp_group = ps.GroupCoordinator(tp, rank)
+        if ep:
+            ps.set_rank_state(tp_group, ep_degree=world, ep_rank=rank, ep_tp_group=ps.single(), ep_enabled=True)
+        else:
+            ps.set_rank_state(tp_group)
+
+    return state
+
+
+# ---- the independent fp32 reference (checkpoint values via torch's float8 conversion) -----------------
+
+
+def checkpoint_tensors(path: Path) -> dict:
+    from vllm_moe_w8.tiny_models.shards import load_all
+
+    return load_all(path)
+
+
+def dequant(t: dict, name: str) -> torch.Tensor:
+    """A checkpoint FP8 weight, exactly dequantised in fp32 (tiny_models.dequantize_exact: torch's float8 cast)."""
+    scale = t.get(name + "_scale_inv")
+    if scale is not None:
+        return tiny_models.dequantize_exact(t[name], scale, (128, 128))
+    return tiny_models.dequantize_exact(t[name], t[name + "_scale"], None)
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    w = (1.0 + weight.float()) if zero_centred else weight.float()
+    return (x * w).to(h.dtype)
+
+
+def reference_routed(x: torch.Tensor, t: dict, prefix: str, num_experts: int, top_k: int, renormalize: bool = True,
+                     real: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j w_j * down_e(silu(gate_e x) * up_e x), float64, over the top-k of softmax(router x)."""
+    xf = x.double()
+    router = t[f"{prefix}.mlp.gate.weight"].double()
+    probs = torch.softmax(x.float() @ router.float().T, dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for e in range(num_experts):
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        g = dequant(t, f"{prefix}.mlp.experts.{e}.gate_proj.weight").double()
+        u = dequant(t, f"{prefix}.mlp.experts.{e}.up_proj.weight").double()
+        d = dequant(t, f"{prefix}.mlp.experts.{e}.down_proj.weight").double()
+        xe = xf[rows]
+        h = torch.nn.functional.silu(xe @ g.T) * (xe @ u.T)
+        out.index_add_(0, rows, (h @ d.T) * w[rows, slots].double()[:, None])
+    if real is not None:
+        out[~real] = 0
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())

@@ -1,0 +1,3 @@
+"""STAND-IN: vllm_neuron/model/qwen3_5/flags.py."""
+
+SEQUENCE_PARALLEL = True

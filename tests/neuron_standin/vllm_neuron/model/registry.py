@@ -1,0 +1,9 @@
+"""STAND-IN: vllm_neuron/model/registry.py (get_models() -> [(architecture, factory class)])."""
+
+
+def get_models():
+    from .qwen3_5 import Qwen3_5MoeForConditionalGeneration
+    from .qwen3_moe import Qwen3MoeForCausalLM
+
+    return [("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM),
+            ("Qwen3_5MoeForConditionalGeneration", Qwen3_5MoeForConditionalGeneration)]

@@ -1,0 +1,314 @@
+"""Checkpoint loading for the Neuron experts module, in vllm-neuron's TP and EP conventions.
+
+Routed experts (:func:`load_layer_experts`): one layer's local experts are read straight from the FP8
+checkpoint (per-expert ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` E4M3FN bytes plus their
+``weight_scale_inv`` blocks or ``weight_scale`` rows), cut to this rank exactly as vllm-neuron's BF16
+loaders cut them, repacked (:func:`vllm_moe_w8.codec.fp8.repack`, pow2 by default, output-block opt-in),
+self-checked on a few experts (:mod:`vllm_moe_w8.vllm_glue.self_check`) and laid out for the NKI kernels
+(:func:`vllm_moe_w8.kernels.host.to_kernel_layout`). The kernel layout is the only copy kept.
+
+* EP: linear placement, EP rank ``k`` owns global experts ``[k*L, (k+1)*L)`` (``L = E / ep_degree``).
+* TP: the intermediate dim is split ``tp_degree`` ways; shard ``r = tp_rank % tp_degree`` holds rows
+  ``[r*I_r, (r+1)*I_r)`` of gate and up and the same columns of down.
+
+Every other FP8 tensor (attention, shared expert, dense MLP) reaches vllm-neuron's own loaders already
+dequantised to the model dtype (:func:`dequantizing_slices`): they see an ordinary BF16 checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.codec.checkpoint import Checkpoint, CheckpointError
+from vllm_moe_w8.vllm_glue import self_check
+from vllm_moe_w8.kernels.host import KernelWeights, P, to_kernel_layout
+
+logger = logging.getLogger("vllm.neuron_w8")
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Which experts and which slice of the intermediate dim this rank holds."""
+
+    num_experts: int
+    ep_degree: int
+    ep_rank: int
+    tp_degree: int
+    tp_rank: int  # already reduced modulo tp_degree
+    intermediate_size: int
+    hidden_size: int
+
+    @property
+    def num_local(self) -> int:
+        return self.num_experts // self.ep_degree
+
+    @property
+    def first_expert(self) -> int:
+        return self.ep_rank * self.num_local
+
+    @property
+    def inter_per_rank(self) -> int:
+        return self.intermediate_size // self.tp_degree
+
+    def validate(self, where: str) -> None:
+        if self.num_experts % self.ep_degree:
+            raise ValueError(f"neuron-w8: {where}: {self.num_experts} experts do not split over ep_degree {self.ep_degree}")
+        if self.intermediate_size % self.tp_degree:
+            raise ValueError(f"neuron-w8: {where}: moe_intermediate_size {self.intermediate_size} does not split over tp_degree {self.tp_degree}")
+        if self.inter_per_rank % P or self.hidden_size % P:
+            raise ValueError(
+                f"neuron-w8: {where}: the NKI kernels need hidden_size ({self.hidden_size}) and the per-rank intermediate "
+                f"size ({self.intermediate_size} / tp_degree {self.tp_degree} = {self.inter_per_rank}) to be multiples of "
+                f"{P}. Use fewer tensor-parallel ranks per expert: enable expert parallelism (--enable-expert-parallel) "
+                "so that tp_degree = tensor_parallel_size / ep_degree is smaller"
+            )
+
+
+class ExpertSource:
+    """Per-expert tensors of one checkpoint folder (headers read once; data read per layer)."""
+
+    def __init__(self, path: str, text_prefix: str):
+        self.ckpt = Checkpoint(path)
+        self.ckpt.raise_on_file_problems()
+        self.prefix = text_prefix  # e.g. "model.layers." or "model.language_model.layers."
+
+    def stem(self, layer: int, expert: int, proj: str) -> str:
+        return f"{self.prefix}{layer}.mlp.experts.{expert}.{proj}"
+
+    def names(self, layer: int, expert: int, proj: str) -> tuple[str, str]:
+        stem = self.stem(layer, expert, proj)
+        weight = f"{stem}.weight"
+        if weight not in self.ckpt.tensors:
+            raise CheckpointError(
+                f"{self.ckpt.path}: no tensor {weight!r}; neuron-w8 loads per-expert FP8 tensors "
+                f"(<prefix>{layer}.mlp.experts.<e>.<gate|up|down>_proj.weight) of a block-FP8 or per-channel checkpoint"
+            )
+        for suffix in SCALE_SUFFIXES:
+            if f"{stem}.{suffix}" in self.ckpt.tensors:
+                return weight, f"{stem}.{suffix}"
+        raise CheckpointError(f"{self.ckpt.path}: {weight!r} has no {' or '.join(SCALE_SUFFIXES)}: an FP8 weight without its scale")
+
+    def read_expert(self, layer: int, expert: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, str]]:
+        wanted = {proj: self.names(layer, expert, proj) for proj in PROJS}
+        got = self.ckpt.load_many([n for pair in wanted.values() for n in pair])
+        return {proj: (got[w], got[s], w) for proj, (w, s) in wanted.items()}
+
+
+def _tp_cut(proj: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], plan: RankPlan):
+    """This rank's slice of one projection and its scale grid (block rows/cols cut where the weight is)."""
+    i_r, r = plan.inter_per_rank, plan.tp_rank
+    if plan.tp_degree == 1:
+        return weight, scale
+    lo, hi = r * i_r, (r + 1) * i_r
+    bn, bk = block
+    if proj in ("gate_proj", "up_proj"):  # [I, H]: rows
+        return weight[lo:hi], (scale[lo // bn: hi // bn] if bn > 1 else scale[lo:hi])
+    # down [H, I]: columns; per-channel scales are per output row (H) and stay whole
+    w = weight[:, lo:hi]
+    return w, (scale[:, lo // bk: hi // bk] if bk > 0 else scale)
+
+
+def _check_shapes(proj: str, weight: torch.Tensor, plan: RankPlan, name: str) -> None:
+    want = (plan.hidden_size, plan.intermediate_size) if proj == "down_proj" else (plan.intermediate_size, plan.hidden_size)
+    if tuple(weight.shape) != want:
+        raise CheckpointError(f"neuron-w8: tensor {name} has shape {tuple(weight.shape)}; the model config implies {want}")
+
+
+def _sampled(settings, num_local: int) -> list[int]:
+    n = min(settings.self_check_experts, num_local) if settings.self_check else 0
+    if n <= 0:
+        return []
+    return sorted({round(i * (num_local - 1) / max(n - 1, 1)) for i in range(n)})
+
+
+@dataclass
+class LayerLoad:
+    weights: KernelWeights
+    stats: fp8.RepackStats
+    checked: int
+    seconds: float
+
+
+def load_layer_experts(source: ExpertSource, layer: int, plan: RankPlan, settings) -> LayerLoad:
+    """Read, cut, repack, self-check and lay out one layer's local experts (see the module docstring)."""
+    t0 = time.perf_counter()
+    plan.validate(f"layer {layer}")
+    mode, fmt = settings.mode, settings.fmt
+    block = tuple(fmt.expert_block)
+    out_block = (fp8.OUTPUT_BLOCK_ROWS, 0) if mode == "output-block" else block
+    code_format = fp8.CODE_FORMAT[mode]
+    L, h, i_r = plan.num_local, plan.hidden_size, plan.inter_per_rank
+    w13 = torch.empty(L, 2 * i_r, h, dtype=torch.uint8)
+    w2 = torch.empty(L, h, i_r, dtype=torch.uint8)
+    s13_parts, s2_parts = [], []
+    stats = fp8.RepackStats()
+    sampled = set(_sampled(settings, L))
+    checked = 0
+    for e in range(L):
+        g = plan.first_expert + e
+        where = f"layer {layer}, expert {g} (local {e})"
+        raw = source.read_expert(layer, g)
+        reps = {}
+        for proj, (weight, scale, name) in raw.items():
+            _check_shapes(proj, weight, plan, name)
+            codes, grid = _tp_cut(proj, weight, scale, block, plan)
+            if fmt.converted:
+                rep = fp8.Repacked(fp8._as_bytes(codes).contiguous(), grid.float().contiguous(), mode, out_block)
+            else:
+                rep = fp8.repack(codes, grid, mode, block, name=name)
+            reps[proj] = (rep, codes, grid)
+            stats = stats.add(rep.stats)
+        w13[e, :i_r] = reps["gate_proj"][0].codes
+        w13[e, i_r:] = reps["up_proj"][0].codes
+        w2[e] = reps["down_proj"][0].codes
+        s13_parts.append(torch.cat([reps["gate_proj"][0].scale_grid, reps["up_proj"][0].scale_grid]))
+        s2_parts.append(reps["down_proj"][0].scale_grid)
+        if e in sampled:
+            _self_check(reps, where, mode, block, code_format, converted=fmt.converted)
+            checked += 1
+    kw = to_kernel_layout(w13, torch.stack(s13_parts), w2, torch.stack(s2_parts), out_block[0], out_block[1], code_format)
+    return LayerLoad(kw, stats, checked, time.perf_counter() - t0)
+
+
+def _self_check(reps, where: str, mode: str, block, code_format: str, converted: bool) -> None:
+    """The stored codes x scales of one expert against the checkpoint (the rules of :mod:`vllm_moe_w8.vllm_glue.self_check`)."""
+    got = {proj: fp8.dequantize(rep) for proj, (rep, _, _) in reps.items()}
+    self_check.check_finite(got, where, code_format, mode)
+    if converted:
+        return
+    n_diff, counted = 0, 0
+    for proj, (rep, codes, grid) in reps.items():
+        new_scale_el = fp8.expand_scales(rep.scale_grid, tuple(codes.shape), rep.block) if mode == "output-block" else None
+        n_diff += self_check.check_projection(got[proj], codes, grid, block, mode, where, proj, new_scale_el)
+        counted += rep.stats.values_changed
+    self_check.check_rounded_count(mode, n_diff, counted, where)
+
+
+def from_kernel_layout(kw: KernelWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op layout (w13 [E, 2I, H], w2 [E, H, I] uint8) back from the kernel layout (tests, self-checks)."""
+    e, p, hc, two_i = kw.w13.shape
+    w13 = kw.w13.transpose(1, 2).reshape(e, hc * p, two_i).transpose(1, 2).contiguous()
+    e, p, ic, h = kw.w2.shape
+    w2 = kw.w2.transpose(1, 2).reshape(e, ic * p, h).transpose(1, 2).contiguous()
+    return w13, w2
+
+
+# ---- non-expert FP8 tensors: dequantised before vllm-neuron's loaders see them ---------------------------
+
+
+class DequantizedSlice:
+    """A stand-in for safetensors' PySafeSlice of an FP8 weight: indexes the weight dequantised to ``dtype``."""
+
+    def __init__(self, weight_slice, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, name: str):
+        self._weight_slice, self._scale, self._block, self._dtype, self._name = weight_slice, scale, block, dtype, name
+        self._full: torch.Tensor | None = None
+
+    def get_shape(self):
+        return self._weight_slice.get_shape()
+
+    def get_dtype(self) -> str:
+        return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[self._dtype]
+
+    def full(self) -> torch.Tensor:
+        if self._full is None:
+            w = self._weight_slice[:]
+            self._full = fp8.dequantize_checkpoint(w, self._scale, self._block, name=self._name).to(self._dtype)
+        return self._full
+
+    def __getitem__(self, index):
+        return self.full()[index]
+
+
+_active = threading.local()  # (fmt, dtype) while a neuron-w8 load runs in this thread
+HOOKED = "_neuron_w8_dequantizing"
+
+
+@contextlib.contextmanager
+def dequantizing_slices(checkpoint_cls, fmt, dtype: torch.dtype):
+    """While active (in this thread), ``checkpoint_cls._get_slice(key)`` of an FP8 weight returns a :class:`DequantizedSlice`.
+
+    ``checkpoint_cls`` is vllm-neuron's ``SafetensorsCheckpoint``; ``fmt`` the checkpoint's
+    :class:`~vllm_moe_w8.vllm_glue.checkpoint_format.CheckpointFormat` (its non-expert scale tiles and scale name). The
+    class's method is wrapped once; outside such a block (other models, other threads) it behaves as before.
+    """
+    install_slice_hook(checkpoint_cls)
+    previous = getattr(_active, "load", None)
+    _active.load = (fmt, dtype)
+    try:
+        yield
+    finally:
+        _active.load = previous
+
+
+def install_slice_hook(checkpoint_cls) -> None:
+    original = checkpoint_cls.__dict__["_get_slice"]
+    if getattr(original, HOOKED, False):
+        return
+
+    def _get_slice(self, key):
+        sl = original(self, key)
+        load = getattr(_active, "load", None)
+        if load is None or _slice_dtype(sl) != "F8_E4M3":
+            return sl
+        fmt, dtype = load
+        if not key.endswith(".weight"):
+            raise CheckpointError(f"neuron-w8: FP8 tensor {key!r} is not a '.weight'; cannot find its scale")
+        scale_key = f"{key[: -len('weight')]}{fmt.linear_scale_suffix}"
+        try:
+            scale = original(self, scale_key)[:]
+        except (KeyError, AttributeError, RuntimeError) as e:
+            raise CheckpointError(f"neuron-w8: FP8 tensor {key!r} has no {fmt.linear_scale_suffix} ({e}); cannot dequantise it") from e
+        return DequantizedSlice(sl, scale, tuple(fmt.linear_block), dtype, key)
+
+    setattr(_get_slice, HOOKED, True)
+    checkpoint_cls._get_slice = _get_slice
+
+
+def _slice_dtype(sl) -> str | None:
+    get = getattr(sl, "get_dtype", None)
+    return get() if callable(get) else None
+
+
+def resolve_checkpoint_dir(path: str, cache_dir: str | None) -> str:
+    """A local folder for ``path`` (a folder already, or a hub id vllm-neuron's loader has downloaded)."""
+    if os.path.isdir(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, cache_dir=cache_dir, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure means: no local copy to read experts from
+        raise CheckpointError(
+            f"neuron-w8: cannot find a local copy of {path!r} to read its experts from ({e}); pass a local checkpoint "
+            "folder as the model, or download it first (huggingface-cli download)"
+        ) from e
+
+
+def log_totals(loads: list[LayerLoad], settings, plan: RankPlan) -> None:
+    if not loads:
+        return
+    stats = fp8.RepackStats()
+    for ld in loads:
+        stats = stats.add(ld.stats)
+    nbytes = sum(t.numel() * t.element_size() for ld in loads
+                 for t in (ld.weights.w13, ld.weights.w13_scales, ld.weights.w2, ld.weights.w2_scales))
+    logger.info(
+        "neuron-w8 on Neuron: loaded %d MoE layers (mode %s from %s; EP rank %d/%d, TP shard %d/%d, %d local experts, "
+        "kernel layout %.2f MB): blocks shifted %d of %d, values rounded %d (max abs error %.3g); self-check %s; %.2f s; "
+        "LNC %d",
+        len(loads), settings.mode, settings.mode_source, plan.ep_rank, plan.ep_degree, plan.tp_rank, plan.tp_degree,
+        plan.num_local, nbytes / 1e6, stats.blocks_shifted, stats.blocks, stats.values_changed, stats.max_abs_error,
+        f"passed on {sum(ld.checked for ld in loads)} experts" if any(ld.checked for ld in loads) else "off",
+        sum(ld.seconds for ld in loads), settings.lnc,
+    )

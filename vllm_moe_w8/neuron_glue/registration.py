@@ -1,0 +1,184 @@
+"""Registration on a Neuron platform: make ``--quantization neuron-w8`` take effect under vllm-neuron.
+
+:func:`install` (called by ``vllm_moe_w8.register()`` in every vLLM process when the current platform
+is vllm-neuron's) does three things, each by wrapping, never by copying vllm-neuron code:
+
+1. the platform class: ``neuron-w8`` joins ``supported_quantization`` (so vLLM's
+   ``verify_quantization`` passes), and ``check_and_update_config`` first checks, when neuron-w8 is
+   requested, that the installed vllm-neuron can take it (generation, architecture, settings) so a
+   start-up that cannot work stops there, naming the architecture, the version and what is supported;
+2. the factories of the supported MoE families (``from_configs`` of the class vLLM's registry resolves):
+   when neuron-w8 is requested, each built model's BF16 MoE blocks become ours
+   (:func:`vllm_moe_w8.neuron_glue.experts.adopt`);
+3. that model's ``load_weights``: FP8 tensors of the other layers reach vllm-neuron's loaders
+   dequantised, then our loader fills the experts (:mod:`vllm_moe_w8.neuron_glue.loaders`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_moe_w8.about import QUANTIZATION_NAME
+from vllm_moe_w8.neuron_glue import experts, interfaces, loaders, settings
+from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
+
+logger = logging.getLogger("vllm.neuron_w8")
+WRAPPED = "_neuron_w8_wrapped"
+CHECKPOINT_CLASS = ("vllm_neuron.utils.checkpoints", "SafetensorsCheckpoint")
+
+
+def install(platform_cls: type) -> None:
+    """Idempotent; see the module docstring."""
+    extend_platform(platform_cls)
+    if interfaces.generation_error() is not None:
+        return  # refused in check_and_update_config / verify_quantization, only when neuron-w8 is asked for
+    for target in interfaces.TARGETS:
+        try:
+            factory = interfaces.import_attr(*target.factory)
+        except (ImportError, AttributeError) as e:
+            logger.debug("neuron-w8: %s not wrapped: %s", target.factory, e)
+            continue
+        wrap_factory(factory, target)
+
+
+def extend_platform(platform_cls: type) -> None:
+    supported = list(getattr(platform_cls, "supported_quantization", None) or [])
+    if QUANTIZATION_NAME not in supported:
+        platform_cls.supported_quantization = supported + [QUANTIZATION_NAME]
+    for name, hook in (("check_and_update_config", _precheck_config), ("verify_quantization", _precheck_name)):
+        current = getattr(platform_cls, name, None)
+        if current is None or getattr(current, WRAPPED, False):
+            continue
+        original = current.__func__
+
+        def wrapped(cls, arg, _original=original, _hook=hook):
+            _hook(arg)
+            return _original(cls, arg)
+
+        setattr(wrapped, WRAPPED, True)
+        wrapped.__doc__ = original.__doc__
+        setattr(platform_cls, name, classmethod(wrapped))
+
+
+def _precheck_name(quant) -> None:
+    if isinstance(quant, str) and quant.lower() == QUANTIZATION_NAME:
+        err = interfaces.generation_error()
+        if err:
+            raise NeuronGlueError(err)
+
+
+def _precheck_config(vllm_config) -> None:
+    """When neuron-w8 is requested: the installed vllm-neuron serves this architecture and the settings are valid."""
+    if not settings.requested(vllm_config):
+        return
+    err = interfaces.generation_error()
+    if err:
+        raise NeuronGlueError(err)
+    model_config = vllm_config.model_config
+    arch = architecture_of(model_config.hf_config)
+    interfaces.resolve_target(arch)
+    settings.resolve(quant_config_of(model_config.hf_config), getattr(vllm_config, "additional_config", None))
+
+
+def architecture_of(hf_config) -> str:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs:
+        raise NeuronGlueError("neuron-w8 on Neuron: the model's config.json names no architecture")
+    return archs[0]
+
+
+def quant_config_of(hf_config) -> dict | None:
+    cfg = getattr(hf_config, "quantization_config", None)
+    if cfg is None and getattr(hf_config, "text_config", None) is not None:
+        cfg = getattr(hf_config.text_config, "quantization_config", None)
+    if cfg is not None and not isinstance(cfg, dict):
+        cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    return cfg
+
+
+def wrap_factory(factory: type, target: interfaces.MoeTarget) -> None:
+    current = factory.from_configs
+    if getattr(current, WRAPPED, False):
+        return
+    original = current.__func__
+
+    def from_configs(cls, *args, **kwargs):
+        model = original(cls, *args, **kwargs)
+        vllm_config = current_vllm_config()
+        if not settings.requested(vllm_config):
+            return model
+        return convert_model(model, vllm_config)
+
+    setattr(from_configs, WRAPPED, True)
+    factory.from_configs = classmethod(from_configs)
+
+
+def current_vllm_config():
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config()
+
+
+def rank_plan(block, target: interfaces.MoeTarget) -> loaders.RankPlan:
+    tp_degree = int(block.tp_degree)
+    if target.kind == "qwen3_5_moe" and block.ep_degree > 1:
+        tp_rank = int(block.ep_tp_group.rank_in_group)
+    else:
+        tp_rank = int(block.tp_group.rank_in_group) % tp_degree
+    num_experts = block.total_num_experts if target.kind == "qwen3_moe" else block.num_experts
+    return loaders.RankPlan(int(num_experts), int(block.ep_degree), int(block.ep_rank), tp_degree, tp_rank,
+                            int(block.intermediate_size), int(block.hidden_size))
+
+
+def convert_model(model, vllm_config):
+    """Adopt every BF16 MoE block of a built vllm-neuron model and wrap its ``load_weights``."""
+    model_config = vllm_config.model_config
+    arch = architecture_of(model_config.hf_config)
+    target, _, block_cls = interfaces.resolve_target(arch)
+    cfg = settings.resolve(quant_config_of(model_config.hf_config), getattr(vllm_config, "additional_config", None))
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, block_cls)]
+    if not blocks:
+        raise NeuronGlueError(
+            f"neuron-w8 on Neuron: the {arch} model vllm-neuron {interfaces.vllm_neuron_version()} built has no "
+            f"{target.block[1]} module; its interface changed (DEVELOPING.md, 'vllm-neuron interfaces we use')"
+        )
+    plans = []
+    for name, block in blocks:
+        plans.append(rank_plan(block, target))
+        plans[-1].validate(name)
+        experts.adopt(block, target, name, plans[-1], cfg, arch)
+    wrap_load_weights(model, arch, cfg, dtype=model_config.dtype)
+    logger.info(
+        "neuron-w8 on Neuron: %s (vllm-neuron %s): %d MoE blocks use 1-byte experts (mode %s from %s, LNC %d)",
+        arch, interfaces.vllm_neuron_version(), len(blocks), cfg.mode, cfg.mode_source, cfg.lnc,
+    )
+    return model
+
+
+def wrap_load_weights(model, arch: str, cfg, dtype) -> None:
+    from vllm_moe_w8.codec.model_config import SUPPORTED_ARCHITECTURES
+
+    original = getattr(model, "load_weights", None)
+    if original is None:
+        raise NeuronGlueError(f"neuron-w8 on Neuron: the {arch} model has no load_weights (interface changed)")
+    try:
+        checkpoint_cls = interfaces.import_attr(*CHECKPOINT_CLASS)
+    except (ImportError, AttributeError) as e:
+        raise NeuronGlueError(f"neuron-w8 on Neuron: {'.'.join(CHECKPOINT_CLASS)} is missing ({e}); interface changed") from e
+    if "_get_slice" not in vars(checkpoint_cls):
+        raise NeuronGlueError(f"neuron-w8 on Neuron: {'.'.join(CHECKPOINT_CLASS)} has no _get_slice (interface changed)")
+    prefix = SUPPORTED_ARCHITECTURES[arch][0]
+
+    def load_weights(checkpoint_path, device, cache_dir=None):
+        with loaders.dequantizing_slices(checkpoint_cls, cfg.fmt, dtype):
+            original(checkpoint_path, device, cache_dir)
+        source = loaders.ExpertSource(loaders.resolve_checkpoint_dir(checkpoint_path, cache_dir), prefix)
+        loads, plan = [], None
+        for _, block in experts.adopted_blocks(model):
+            ld = loaders.load_layer_experts(source, block.w8_layer, block.w8_plan, cfg)
+            block.w8_set_weights(ld.weights, device)
+            loads.append(ld)
+            plan = block.w8_plan
+        loaders.log_totals(loads, cfg, plan)
+
+    model.load_weights = load_weights
