@@ -21,6 +21,7 @@ caller then uses the portable torch path and logs the reason.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -54,23 +55,24 @@ _libs: dict[str, ctypes.CDLL] = {}
 _reasons: dict[str, str] = {}
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's /proc/cpuinfo flags (empty off Linux)."""
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo flags (empty off Linux); read once."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def is_x86_64_linux() -> bool:
     return sys.platform == "linux" and os.uname().machine in ("x86_64", "AMD64")
 
 
-def missing_flags(isa: str, flags: set[str] | None = None) -> list[str]:
+def missing_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
     flags = cpu_flags() if flags is None else flags
     return [f for f in ISAS[isa].cpu_flags if f not in flags]
 

@@ -47,7 +47,7 @@ constexpr int kPanelRows = 4;     // rows decoded into the panel at once (prefil
 constexpr int kTokenTile = 3;     // pairs per register tile (prefill)
 constexpr int kTokenBlock = 32;   // pairs whose activations stay in L2 while a panel is reused
 constexpr int kFusedTokens = 8;   // at most this many pairs: decode into registers, no panel
-constexpr int kPrefetch = 512;    // bytes of codes ahead
+constexpr int kPrefetch = 512;    // bytes of codes ahead (fused path)
 
 inline int64_t padded(int64_t k) { return (k + kGroup - 1) / kGroup * kGroup; }
 
@@ -135,17 +135,19 @@ inline __mmask64 group_mask(int64_t remaining) {
 }
 
 // res[j] = dot(row n, activations of pair j) for M pairs, P planes; each 64 codes decoded once, in registers.
+// Two accumulators per pair (one per decoded vector) halve the vdpbf16ps dependency chain, which bounds
+// the few-pair case.
 template <int M, int P>
 inline void fused_row_dot(const Matrix& m, int64_t n, const Acts& xs, const Tables& t, float* res) {
   const uint8_t* src = m.codes + n * m.k;
   const float* srow = m.scales + (n / m.bn) * m.gk;
   const int64_t bk = m.block();
-  __m512 total[M], part[M];
+  __m512 total[M], part_a[M], part_b[M];
 #pragma GCC unroll 8
   for (int j = 0; j < M; ++j) total[j] = _mm512_setzero_ps();
   for (int64_t kb = 0, b = 0; kb < m.k; kb += bk, ++b) {
 #pragma GCC unroll 8
-    for (int j = 0; j < M; ++j) part[j] = _mm512_setzero_ps();
+    for (int j = 0; j < M; ++j) part_a[j] = part_b[j] = _mm512_setzero_ps();
     const int64_t kend = std::min(kb + bk, m.k);
     for (int64_t k = kb; k < kend; k += kGroup) {
       _mm_prefetch(reinterpret_cast<const char*>(src + k + kPrefetch), _MM_HINT_T0);
@@ -156,12 +158,13 @@ inline void fused_row_dot(const Matrix& m, int64_t n, const Acts& xs, const Tabl
 #pragma GCC unroll 3
         for (int p = 0; p < P; ++p) {
           const uint16_t* x = xs.rows[j] + p * xs.plane_stride + k;
-          part[j] = dot(dot(part[j], a, x), bv, x + 32);
+          part_a[j] = dot(part_a[j], a, x);
+          part_b[j] = dot(part_b[j], bv, x + 32);
         }
     }
     const __m512 sc = _mm512_set1_ps(srow[b]);
 #pragma GCC unroll 8
-    for (int j = 0; j < M; ++j) total[j] = _mm512_fmadd_ps(part[j], sc, total[j]);
+    for (int j = 0; j < M; ++j) total[j] = _mm512_fmadd_ps(_mm512_add_ps(part_a[j], part_b[j]), sc, total[j]);
   }
 #pragma GCC unroll 8
   for (int j = 0; j < M; ++j) res[j] = _mm512_reduce_add_ps(total[j]);
@@ -188,6 +191,7 @@ inline void decode_panel(const Matrix& m, int64_t n0, int rows, const Tables& t,
     const uint8_t* src = m.codes + (n0 + r) * m.k;
     uint16_t* dst = panel + r * kp;
     for (int64_t k = 0; k < kp; k += kGroup) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + kPanelRows * m.k + k), _MM_HINT_T1);  // the next panel's rows
       __m512i a, b;
       decode64(src + k, group_mask(m.k - k), t, a, b);
       _mm512_storeu_si512(dst + k, a);
