@@ -266,3 +266,29 @@ def test_avx2_only_host_picks_avx2(fresh_native, monkeypatch):
     monkeypatch.setattr(cpu_moe_native, "cpu_flags", lambda: {"sse4_2"})
     assert cpu_moe_native.selected_isa() == "torch"
     assert "CPU lacks" in cpu_moe_native.unavailable_reason("torch")
+
+
+@pytest.mark.parametrize("fault", ["scale tile doubled", "one code flipped", "fp32 inputs rounded to bf16"])
+def test_reference_gate_catches_realistic_faults(fault):
+    """The tolerance above is tight enough to fail on the smallest realistic fault: one expert's scale tile
+    doubled, one FP8 code's lowest mantissa bit flipped, or float32 activations rounded to one bf16 plane
+    (what the avx512bf16 variant would compute if it dropped the residual planes)."""
+    e, h, inter, k, t = 4, 256, 128, 2, 5
+    w13, w13_s, w2, w2_s = make_experts(e, h, inter, (128, 128), "e4m3", seed=21)
+    gen = torch.Generator().manual_seed(22)
+    ids, wts = make_routing(t, k, e, gen)
+    x = torch.randn((t, h), generator=gen)
+    expert = int(ids[0, 0])
+    bad13, bad13_s, x_run = w13.clone(), w13_s.clone(), x
+    if fault == "scale tile doubled":
+        bad13_s[expert, 0, 0] *= 2
+    elif fault == "one code flipped":  # the lowest mantissa bit of the gate code that weighs most in token 0's output
+        gate = cpu_moe.dequantize_rows(w13[expert, :inter], w13_s[expert, :1], 128, 128, "e4m3")
+        row = int((x[0] @ gate.T).abs().argmax())
+        col = int((gate[row] * x[0]).abs().argmax())
+        bad13[expert, row, col] ^= 1
+    else:
+        x_run = x.bfloat16().float()
+    out = cpu_moe.fused_moe_cpu(x_run, wts, ids, bad13, bad13_s, w2, w2_s, 128, 128, "e4m3")
+    with pytest.raises(AssertionError, match="exceeds tolerance"):
+        assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
