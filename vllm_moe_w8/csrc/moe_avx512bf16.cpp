@@ -48,6 +48,7 @@ constexpr int kTokenTile = 3;     // pairs per register tile (prefill)
 constexpr int kTokenBlock = 32;   // pairs whose activations stay in L2 while a panel is reused
 constexpr int kFusedTokens = 8;   // at most this many pairs: decode into registers, no panel
 constexpr int kPrefetch = 512;    // bytes of codes ahead (fused path)
+constexpr int kSerialSplitTokens = 64;  // up to this many tokens, x is split into planes before the parallel region
 
 inline int64_t padded(int64_t k) { return (k + kGroup - 1) / kGroup * kGroup; }
 
@@ -269,9 +270,9 @@ void matmul_rows_p(const Matrix& mat, int64_t n0, int64_t n1, const Acts& xs, in
     for (int64_t n = n0; n < n1; n += kPanelRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, n1 - n));
       decode_panel(mat, n, rows, t, panel);
-      for (int64_t j0 = t0; j0 < t1; j0 += kTokenTile) {
-        const int m_count = static_cast<int>(std::min<int64_t>(kTokenTile, t1 - j0));
-        panel_tile_any<P>(rows, m_count, mat, n, panel, xs.rows + j0, xs, res);
+      for (int64_t j0 = t0, m_count = 0; j0 < t1; j0 += m_count) {
+        m_count = t1 - j0 == 4 ? 2 : std::min<int64_t>(kTokenTile, t1 - j0);  // 4 = 2 + 2, not 3 + 1
+        panel_tile_any<P>(rows, static_cast<int>(m_count), mat, n, panel, xs.rows + j0, xs, res);
         for (int r = 0; r < rows; ++r)
           for (int j = 0; j < m_count; ++j) emit(j0 + j, n + r, res[r][j]);
       }
@@ -322,14 +323,23 @@ int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I
   const int64_t items2 = (H + chunk2 - 1) / chunk2;
   const int threads = threads_for(n_active, H, I, nthreads);
 
+  // Few tokens: split x on the calling thread (a parallel loop's barrier costs more than the work on a busy machine).
+  const bool split_serially = T <= kSerialSplitTokens;
+  if (split_serially) {
+    std::vector<float> tmp(Hp);
+    for (int64_t t = 0; t < T; ++t) split_row(x + t * H, H, x_planes, xq.get() + t * x_planes * Hp, Hp, tmp.data());
+  }
+
 #pragma omp parallel num_threads(threads)
   {
     std::unique_ptr<uint16_t[]> panel(new uint16_t[kPanelRows * std::max(Hp, Ip)]);
     std::vector<float> tmp(std::max(Hp, chunk1));
     std::vector<const uint16_t*> rows;
     std::vector<float> gate, up;
+    if (!split_serially) {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) split_row(x + t * H, H, x_planes, xq.get() + t * x_planes * Hp, Hp, tmp.data());
+      for (int64_t t = 0; t < T; ++t) split_row(x + t * H, H, x_planes, xq.get() + t * x_planes * Hp, Hp, tmp.data());
+    }
     // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p), stored as planes.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items1; ++item) {
