@@ -17,6 +17,7 @@ Prints a table and writes ``benchmarks/results/moe_op-<isa>.json`` (CPU model, I
 
     .venv/bin/python -m benchmarks.bench_moe_op --models qwen35 --tokens 1 8 32 128 512
     .venv/bin/python -m benchmarks.bench_moe_op --isa avx2 --tokens 1 8        # the AVX2 variant, forced
+    .venv/bin/python -m benchmarks.bench_moe_op --threads 1    # one thread each: no thread scheduling in the ratio
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ def main(argv=None):
         print(f"  resident expert bytes {res['model']} (E={res['E']}): w8 {rb['w8'] / 1e6:.0f} MB, vLLM prepacked BF16 "
               f"{rb['vllm'] / 1e6:.0f} MB (w8/vLLM = {res['memory_ratio']:.3f})")
     results["loadavg_at_start"] = list(load_start)
-    write_json(f"moe_op-{isa}{'-forced' if forced else ''}", results)
+    results["threads_forced"] = a.threads
+    write_json(f"moe_op-{isa}{'-forced' if forced else ''}{f'-{a.threads}thread' if a.threads else ''}", results)
 
 
 if __name__ == "__main__":

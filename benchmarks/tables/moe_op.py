@@ -20,6 +20,8 @@ def render(results_dir: Path) -> str:
         m = data["machine"]
         load = data.get("loadavg_at_start") or m["loadavg_1_5_15"]
         how = "forced on this machine" if data["forced"] else "chosen for this CPU"
+        if data.get("threads_forced"):
+            how += f", both implementations limited to {data['threads_forced']} thread(s)"
         for model in data["models"]:
             parts.append(
                 f"`{path.name}`: **{data['w8_impl']}** ({how}); {m['cpu_model']}, {m['torch_threads']} threads, ISA flags "

@@ -37,6 +37,11 @@
 
 #include "moe_common.h"
 
+// Profiling builds pass -DMOE_NOINLINE='__attribute__((noinline))' so perf attributes time to each stage.
+#ifndef MOE_NOINLINE
+#define MOE_NOINLINE
+#endif
+
 namespace {
 
 using moe_w8::Grid;
@@ -89,7 +94,7 @@ inline __m512 dot(__m512 acc, __m512i w, const uint16_t* x) {
 inline __m512 bf16_to_fp32(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 
 // src: 64 float32 in natural order -> `planes` bf16 planes in decode order (dst + p * plane_stride).
-inline void split_group(const float* src, int planes, uint16_t* dst, int64_t plane_stride) {
+MOE_NOINLINE inline void split_group(const float* src, int planes, uint16_t* dst, int64_t plane_stride) {
   __m512 r[4];
   for (int q = 0; q < 4; ++q) r[q] = _mm512_loadu_ps(src + 16 * q);
   for (int p = 0; p < planes; ++p) {
@@ -172,7 +177,7 @@ inline void fused_row_dot(const Matrix& m, int64_t n, const Acts& xs, const Tabl
 }
 
 template <int P>
-inline void fused_row_dot_m(int count, const Matrix& m, int64_t n, const Acts& xs, const Tables& t, float* res) {
+MOE_NOINLINE inline void fused_row_dot_m(int count, const Matrix& m, int64_t n, const Acts& xs, const Tables& t, float* res) {
   switch (count) {
     case 1: fused_row_dot<1, P>(m, n, xs, t, res); break;
     case 2: fused_row_dot<2, P>(m, n, xs, t, res); break;
@@ -186,7 +191,7 @@ inline void fused_row_dot_m(int count, const Matrix& m, int64_t n, const Acts& x
 }
 
 // Decode rows [n0, n0 + rows) into panel (row r at panel + r * padded(k), decode order).
-inline void decode_panel(const Matrix& m, int64_t n0, int rows, const Tables& t, uint16_t* panel) {
+MOE_NOINLINE inline void decode_panel(const Matrix& m, int64_t n0, int rows, const Tables& t, uint16_t* panel) {
   const int64_t kp = padded(m.k);
   for (int r = 0; r < rows; ++r) {
     const uint8_t* src = m.codes + (n0 + r) * m.k;
@@ -203,7 +208,7 @@ inline void decode_panel(const Matrix& m, int64_t n0, int rows, const Tables& t,
 
 // res[r][j] = dot(panel row r, pair j) for R rows, M pairs, P planes (scale tiles applied per block).
 template <int R, int M, int P>
-inline void panel_tile(const Matrix& m, int64_t n0, const uint16_t* panel, const uint16_t* const* xr, const Acts& xs,
+MOE_NOINLINE inline void panel_tile(const Matrix& m, int64_t n0, const uint16_t* panel, const uint16_t* const* xr, const Acts& xs,
                        float res[kPanelRows][kTokenTile]) {
   const int64_t kp = padded(m.k), bk = m.block();
   __m512 total[R][M], part[R][M];
