@@ -152,9 +152,11 @@ def bench_model(key, tokens, reps, check, experts_override=None, seed=0):
         row["goal_met"] = row["w8_vs_vllm"] >= row["goal"]
         if check and t == tokens[0]:
             x, tw, ti = fresh_inputs(t, h, e, k, gen)
-            exact = cpu_moe.fused_moe_torch(x, tw, ti, w13, w13_s, w2, w2_s, *BLOCK, "e4m3").float()
-            got = cpu_moe.fused_moe_cpu(x, tw, ti, w13, w13_s, w2, w2_s, *BLOCK, "e4m3").float()
+            x = x.float()  # float32 in and out: a bf16 output would hide (or round up) float32-level differences
+            exact = cpu_moe.fused_moe_torch(x, tw, ti, w13, w13_s, w2, w2_s, *BLOCK, "e4m3")
+            got = cpu_moe.fused_moe_cpu(x, tw, ti, w13, w13_s, w2, w2_s, *BLOCK, "e4m3")
             row["w8_max_rel_err_vs_exact_torch"] = float((got - exact).abs().max() / exact.abs().max())
+            row["check_dtype"] = "float32"
         rows.append(row)
         print(_fmt_row(row), flush=True)
     memory = resident["w8"] / resident["vllm"]

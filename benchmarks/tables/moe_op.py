@@ -28,7 +28,11 @@ def render(results_dir: Path) -> str:
                 f"{' '.join(m['isa'])}; load average {load[0]:.1f} at start, {m['loadavg_1_5_15'][0]:.1f} at end. "
                 f"{model['model']} shape (H {model['H']}, I {model['I']}, E {model['E']}, top-{model['top_k']}); expert "
                 f"memory w8 / vLLM BF16 = {model['memory_ratio']:.3f} (goal <= {model['memory_goal']}: "
-                f"{'met' if model['memory_goal_met'] else 'NOT met'}).\n")
+                f"{'met' if model['memory_goal_met'] else 'NOT met'})."
+                + "".join(f" Check at T={r['T']} ({r.get('check_dtype', 'bfloat16')} in and out): max |w8 - exact torch "
+                          f"path| / max |exact| = {r['w8_max_rel_err_vs_exact_torch']:.1e}."
+                          for r in model["rows"] if "w8_max_rel_err_vs_exact_torch" in r)
+                + "\n")
             rows = [[r["T"], r["reps"], f"{r['w8_ms']:.2f}", f"{r['vllm_ms']:.2f}", f"{r['w8_vs_vllm']:.2f}x",
                      f"{r['w8_vs_vllm_cpu']:.2f}x", f">= {r['goal']}x: {'met' if r['goal_met'] else '**not met**'}"]
                     for r in model["rows"]]
