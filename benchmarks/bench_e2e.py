@@ -12,7 +12,7 @@ served in its own process, one after the other:
 Reported: start-up (``LLM(...)`` wall time) and the plugin's own repack seconds, routed-expert bytes
 resident (from the plugin's summary line; the twin's from its tensors), the process tree's RSS after
 load, and generation tokens/s at batch 1, 8, 32 (greedy, ``ignore_eos``, --max-tokens new tokens per
-sequence). The goal -- neuron-w8 at least the twin's tokens/s at every batch -- is evaluated and recorded.
+sequence); the variants alternate over ``--repeats`` rounds and medians are reported. The goal -- neuron-w8 at least the twin's tokens/s at every batch -- is evaluated and recorded.
 Table on stdout, JSON (with CPU model, ISA flags, load average) in ``benchmarks/results/e2e-<isa>.json``, named by
 the instruction set of the native CPU MoE kernel that served (``--isa`` forces one).
 
@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -132,6 +133,12 @@ def run_variant(name: str, model: Path, a, tmp: Path) -> dict:
     return res
 
 
+def median_of(runs: list[dict], batches: list[int]) -> dict:
+    """Median start-up and tokens/s per batch over rounds of one variant."""
+    return {"startup_s": statistics.median(r["startup_s"] for r in runs),
+            "tokens_per_s": {str(b): statistics.median(r["tokens_per_s"][str(b)] for r in runs) for b in batches}}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path(os.path.expanduser("~/.cache/vllm-moe-w8/bench-e2e")))
@@ -145,16 +152,21 @@ def main(argv=None):
     ap.add_argument("--kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GB)")
     ap.add_argument("--compile", action="store_true", help="vLLM's default torch.compile instead of enforce_eager")
     ap.add_argument("--variants", nargs="+", default=["w8", "w8-conv", "bf16-twin"])
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of all variants, alternating; medians reported")
     ap.add_argument("--isa", default="auto", help="VLLM_MOE_W8_CPU_ISA for the served w8 variants")
     a = ap.parse_args(argv)
     os.environ["VLLM_MOE_W8_CPU_ISA"] = a.isa
     a.dir.mkdir(parents=True, exist_ok=True)
     models = make_models(a.dir, a)
     results = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "variants": {}}
-    for name in a.variants:
-        print(f"running {name} ...", flush=True)
-        results["variants"][name] = run_variant(name, models[name], a, a.dir)
-        print(f"  {name}: {json.dumps(results['variants'][name])}", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in a.variants}
+    for rep in range(a.repeats):  # variants alternate (order reversed every other round): load drift hits all alike
+        for name in (a.variants if rep % 2 == 0 else a.variants[::-1]):
+            print(f"running {name} (round {rep + 1}/{a.repeats}) ...", flush=True)
+            runs[name].append(run_variant(name, models[name], a, a.dir))
+            print(f"  {name}: {json.dumps(runs[name][-1])}", flush=True)
+    for name, rs in runs.items():
+        results["variants"][name] = {**rs[-1], **median_of(rs, a.batches), "runs": rs}
     v = results["variants"]
     base = v.get("bf16-twin")
     print(f"\nmodel: Qwen3-MoE layout, {a.layers} layers, H {a.hidden}, I {a.inter}, E {a.experts}, top-{a.top_k}; "

@@ -19,7 +19,8 @@ def render(results_dir: Path) -> str:
             f"`{path.name}`: {m['cpu_model']}, ISA flags {' '.join(m['isa'])}, load average "
             f"{' / '.join(f'{v:.1f}' for v in m['loadavg_1_5_15'])} (1/5/15 min, at the end). Qwen3-MoE layout, "
             f"{a['layers']} layers, H {a['hidden']}, I {a['inter']}, E {a['experts']}, top-{a['top_k']}; "
-            f"{'torch.compile' if a['compile'] else 'eager'}; {a['max_tokens']} new tokens per sequence. "
+            f"{'torch.compile' if a['compile'] else 'eager'}; {a['max_tokens']} new tokens per sequence; "
+            f"{a.get('repeats', 1)} round(s) of all variants, alternating, medians. "
             f"In brackets: ratio to the twin (goal >= {data['goal_vs_twin']}x tokens/s at every batch).\n")
         batches = a["batches"]
         rows = []
