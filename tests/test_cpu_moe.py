@@ -292,3 +292,18 @@ def test_reference_gate_catches_realistic_faults(fault):
     out = cpu_moe.fused_moe_cpu(x_run, wts, ids, bad13, bad13_s, w2, w2_s, 128, 128, "e4m3")
     with pytest.raises(AssertionError, match="exceeds tolerance"):
         assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+
+
+@pytest.mark.skipif(HOST_ISAS[:2] != ["avx512bf16", "avx2"], reason="needs a host that runs both native variants")
+def test_tile_width_outside_avx512_groups_uses_avx2_and_says_so(fresh_native, caplog):
+    """block_k = 32 cannot be served by 64-code decode groups: the AVX2 variant runs, the log says why."""
+    assert cpu_moe.implementation(256, 128, 32) == "native-avx2"
+    w13, w13_s, w2, w2_s = make_experts(3, 256, 128, (32, 32), "e4m3", seed=4)
+    gen = torch.Generator().manual_seed(6)
+    ids, wts = make_routing(4, 2, 3, gen)
+    x = torch.randn(4, 256, generator=gen).to(torch.bfloat16)
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.cpu_moe"):
+        out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 32, 32, "e4m3")
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 32, 32, "e4m3")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("avx512bf16 kernel is not used" in m and "not covered" in m for m in messages), messages

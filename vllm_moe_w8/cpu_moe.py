@@ -260,6 +260,12 @@ def fused_moe_cpu(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, blo
     impl = implementation(h, inter, block_k)
     if impl.startswith("native-"):
         isa = impl.removeprefix("native-")
+        selected = cpu_moe_native.selected_isa()
+        if isa != selected:
+            why = (f"shapes H={h} I={inter} block_k={block_k} not covered" if native_available(selected)
+                   else f"build unavailable: {cpu_moe_native.unavailable_reason(selected)}")
+            _log_once(f"fallback:{selected}:{why}", "neuron-w8 CPU MoE: the %s kernel is not used (%s); %s runs instead",
+                      selected, why, isa, level=logging.WARNING)
         _log_once(impl, "neuron-w8 CPU MoE: native kernel, instruction set %s (CPU flags: %s), %d threads", isa,
                   " ".join(cpu_moe_native.ISAS[isa].cpu_flags), torch.get_num_threads())
         return fused_moe_native(*args, isa=isa)
