@@ -66,7 +66,7 @@ RUNNER = textwrap.dedent(
 
 def make_models(root: Path, a) -> dict[str, Path]:
     from vllm_moe_w8 import tiny_models
-    from vllm_moe_w8.convert import convert_checkpoint
+    from vllm_moe_w8.tools.convert import convert_checkpoint
 
     tag = f"qwen3moe-h{a.hidden}-i{a.inter}-e{a.experts}-k{a.top_k}-l{a.layers}"
     src, twin, conv = root / f"{tag}-fp8", root / f"{tag}-bf16-twin", root / f"{tag}-w8-converted"

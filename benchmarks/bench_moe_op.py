@@ -2,7 +2,7 @@
 
 Side by side in one run, for each model shape and token count T:
 
-* ``w8``   -- ``vllm_moe_w8.cpu_moe.fused_moe_cpu`` (the op's CPU body) with the native variant chosen by
+* ``w8``   -- ``vllm_moe_w8.op.cpu.fused_moe_cpu`` (the op's CPU body) with the native variant chosen by
               ``--isa`` (default: the best this CPU runs), experts resident as uint8 codes + float32 scales;
 * ``vllm`` -- vLLM's own CPU BF16 MoE kernel ``torch.ops._C.cpu_fused_moe`` (isa "vec", prepacked weights over
               the exactly dequantised experts): what vLLM runs for a BF16 model on this CPU (no AMX here).
@@ -57,7 +57,7 @@ def random_experts(e, h, inter, gen):
 
 def dequantized_bf16(w13, w13_s, w2, w2_s):
     """The BF16 twin's expert weights (exact fp32 dequantisation, rounded to bf16), one expert at a time."""
-    from vllm_moe_w8 import cpu_moe
+    from vllm_moe_w8.op import cpu as cpu_moe
 
     e, two_i, h = w13.shape
     inter = two_i // 2
@@ -121,7 +121,7 @@ def reps_for(t: int, budget: int) -> int:
 
 
 def bench_model(key, tokens, reps, check, experts_override=None, seed=0):
-    from vllm_moe_w8 import cpu_moe
+    from vllm_moe_w8.op import cpu as cpu_moe
 
     name, h, inter, e, k = MODELS[key]
     e = experts_override or e
@@ -183,7 +183,8 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     from benchmarks.common import write_json
-    from vllm_moe_w8 import cpu_moe, cpu_moe_native
+    from vllm_moe_w8.op import cpu as cpu_moe
+    from vllm_moe_w8.op import native as cpu_moe_native
 
     impl = cpu_moe.implementation(MODELS[a.models[0]][1], MODELS[a.models[0]][2], BLOCK[1])  # builds before timing
     isa = impl.removeprefix("native-")

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from benchmarks.common import best_of, print_table, write_json
-from vllm_moe_w8 import fp8
+from vllm_moe_w8.codec import fp8
 
 
 def checkpoint_like(experts: int, rows: int, cols: int, seed: int = 0):

@@ -33,9 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS  # noqa: E402
-from vllm_moe_w8 import fp8, neuron_binding  # noqa: E402
+from vllm_moe_w8.codec import fp8  # noqa: E402
+from vllm_moe_w8.neuron_glue import binding as neuron_binding  # noqa: E402
 from vllm_moe_w8.kernels import host, launch, nki_api  # noqa: E402
-from vllm_moe_w8.moe_reference import activate, dequantize_expert, dequantize_w13, reference_moe  # noqa: E402
+from vllm_moe_w8.op.reference import activate, dequantize_expert, dequantize_w13, reference_moe  # noqa: E402
 
 ACT_BF16_ROUNDOFF = 2.0**-9
 BOUND_SLACK = 1.5

@@ -6,6 +6,6 @@
   :mod:`.nki_cpu`, the project's interpreter of the NKI subset (rules, counters, cost model).
 * :mod:`.launch` - runs a kernel on torch tensors through ``nki.simulate`` or the interpreter.
 
-The Neuron device path is ``vllm_moe_w8.neuron_binding``. Importing this package imports neither
+The Neuron device path is ``vllm_moe_w8.neuron_glue.binding``. Importing this package imports neither
 vLLM nor AWS's Neuron packages.
 """

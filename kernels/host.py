@@ -1,5 +1,6 @@
-"""Host-side preparation for the MoE kernels (torch; no NKI): the one-time weight re-layout, static token
-buckets with padding, and dense affinities from top-k routing.
+"""Host-side preparation for the MoE kernels (torch; no NKI): the kernels' argument contract (checked here,
+before every launch, because a traced kernel body cannot raise), the one-time weight re-layout, static
+token buckets with padding, and dense affinities from top-k routing.
 
 The op's storage (DEVELOPING.md) is ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` uint8 with scale grids over
 (block_n, block_k) tiles. The kernels want the contraction dimension on partitions, split as
@@ -16,6 +17,63 @@ P = 128
 T_BUCKETS = (16, 32, 64, 128, 256)  # static token counts the kernels are compiled for
 T_MAX = T_BUCKETS[-1]
 KERNEL_MODES = {(128, 128): "pow2", (128, 0): "output-block"}
+_ARG_DTYPES = (("hidden", "bfloat16"), ("w13", "uint8"), ("w13_scales", "float32"), ("w2", "uint8"),
+               ("w2_scales", "float32"), ("affinities", "float32"))
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"moe_w8 kernel: {msg}")
+
+
+def _dtype_name(tensor) -> str:
+    """'bfloat16', 'uint8', ... for torch tensors and numpy / ml_dtypes arrays alike."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def check_kernel_args(hidden, w13, w13_scales, w2, w2_scales, affinities, mode: str, swiglu_limit: float = 0.0) -> None:
+    """Validate one kernel launch's shapes, dtypes and scale grids (kernels/moe_w8.py documents the contract).
+
+    Works on torch tensors and numpy arrays; raises ValueError naming the tensor and the remedy."""
+    if len(hidden.shape) != 2:
+        _fail(f"hidden must be [T, H], got {tuple(hidden.shape)}")
+    t, h = hidden.shape
+    if len(w13.shape) != 4:
+        _fail(f"w13 must be [E, 128, H/128, 2I] (host.to_kernel_layout), got {tuple(w13.shape)}")
+    e, p, gh, two_i = w13.shape
+    inter = two_i // 2
+    if p != P or h % P or gh * P != h:
+        _fail(f"w13 {tuple(w13.shape)} does not match hidden size H={h}: expected [E, 128, {h // P}, 2I] with H a multiple of 128")
+    if inter % P or two_i != 2 * inter:
+        _fail(f"intermediate size I={two_i / 2} (w13 last dim {two_i}) must be a multiple of 128")
+    gi = inter // P
+    if tuple(w2.shape) != (e, P, gi, h):
+        _fail(f"w2 has shape {tuple(w2.shape)}; expected [E, 128, I/128, H] = {(e, P, gi, h)}")
+    if tuple(affinities.shape) != (t, e):
+        _fail(f"affinities has shape {tuple(affinities.shape)}; expected [T, E_local] = {(t, e)}")
+    if not (1 <= t <= T_MAX and (t <= P or t % P == 0)):
+        _fail(f"T={t} tokens: the kernel takes T <= 128 or a multiple of 128 up to {T_MAX}; pad to a bucket (host.bucket_for)")
+    tensors = dict(hidden=hidden, w13=w13, w13_scales=w13_scales, w2=w2, w2_scales=w2_scales, affinities=affinities)
+    for name, dtype in _ARG_DTYPES:
+        if _dtype_name(tensors[name]) != dtype:
+            _fail(f"{name} has dtype {tensors[name].dtype}; expected {dtype}")
+    if mode == "pow2":
+        g13, g2 = gh, gi
+    elif mode == "output-block":
+        g13, g2 = 1, 1
+        for name, tensor, cols in (("w13_scales", w13_scales, gh), ("w2_scales", w2_scales, gi)):
+            if len(tensor.shape) == 3 and tensor.shape[2] == cols and cols > 1:
+                _fail(
+                    f"{name} {tuple(tensor.shape)} is a 128x128 block-scale grid; the output-block kernel needs one scale "
+                    "per 128 output rows ([E, rows/128, 1]). Use moe_w8_pow2 for block scales, or repack with mode='output-block'"
+                )
+    else:
+        _fail(f"unknown mode {mode!r}; kernels exist for {sorted(set(KERNEL_MODES.values()))}")
+    if tuple(w13_scales.shape) != (e, 2 * gi, g13):
+        _fail(f"w13_scales has shape {tuple(w13_scales.shape)}; {mode} expects [E, 2I/128, {'H/128' if mode == 'pow2' else 1}] = {(e, 2 * gi, g13)}")
+    if tuple(w2_scales.shape) != (e, h // P, g2):
+        _fail(f"w2_scales has shape {tuple(w2_scales.shape)}; {mode} expects [E, H/128, {'I/128' if mode == 'pow2' else 1}] = {(e, h // P, g2)}")
+    if not swiglu_limit >= 0:
+        _fail(f"swiglu_limit must be >= 0 (0: no clamp), got {swiglu_limit}")
 
 
 def kernel_mode(block_n: int, block_k: int, code_format: str) -> str:

@@ -1,6 +1,6 @@
 """Run the MoE kernels on torch tensors through a simulator: AWS's ``nki.simulate`` when real NKI is
 importable, else the project's interpreter (which also returns the run's counters). Tests and the
-benchmark use this; on a Neuron device the binding (vllm_moe_w8/neuron_binding.py) launches the kernels."""
+benchmark use this; on a Neuron device the binding (vllm_moe_w8/neuron_glue/binding.py) launches the kernels."""
 
 from __future__ import annotations
 
@@ -13,6 +13,23 @@ from .moe_w8 import moe_w8_output_block, moe_w8_pow2
 from .nki_api import BACKEND, simulate
 
 KERNELS = {"pow2": moe_w8_pow2, "output-block": moe_w8_output_block}
+MODE_OF = {kernel: mode for mode, kernel in KERNELS.items()}
+
+
+def run_kernel(kernel, *args, stats: list | None = None):
+    """Check the launch contract on the host (host.check_kernel_args), then run ``kernel`` on numpy ``args``
+    (hidden, w13, w13_scales, w2, w2_scales, affinities[, swiglu_limit]) in the simulator; returns the output.
+    With the interpreter, the run's :class:`nki_cpu.Stats` is appended to ``stats`` when given."""
+    tensors, limit = args[:6], (args[6] if len(args) > 6 else 0.0)
+    host.check_kernel_args(*tensors, mode=MODE_OF[kernel], swiglu_limit=limit)
+    if BACKEND == "interpreter":
+        from .nki_cpu import run
+
+        out, st = run(kernel, *args)
+        if stats is not None:
+            stats.append(st)
+        return out
+    return simulate(kernel)(*args)
 
 
 def bf16_numpy(t: torch.Tensor) -> np.ndarray:
@@ -33,15 +50,7 @@ def simulate_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     aff = host.dense_affinities(topk_weights, topk_ids, kw.num_experts)
 
     def launch(hidden, aff_chunk):
-        args = kernel_args(hidden, aff_chunk, kw) + (float(swiglu_limit),)
-        if BACKEND == "interpreter":
-            from .nki_cpu import run
-
-            out, st = run(kernel, *args)
-            if stats is not None:
-                stats.append(st)
-        else:
-            out = simulate(kernel)(*args)
+        out = run_kernel(kernel, *kernel_args(hidden, aff_chunk, kw), float(swiglu_limit), stats=stats)
         return torch.from_numpy(np.asarray(out, dtype=np.float32))
 
     return host.run_chunked(launch, x, aff)

@@ -7,7 +7,8 @@ Two variants share one body:
 * :func:`moe_w8_output_block` - one scale per 128 output rows: the whole contraction accumulates in
   PSUM and is scaled once while it is evacuated. It refuses 128x128 block scales (the grid is checked).
 
-Shape contract (checked on entry, ``ValueError`` naming the tensor otherwise), P = 128:
+Shape contract (checked on the host before every launch by ``host.check_kernel_args``, ``ValueError``
+naming the tensor otherwise; the traced kernel body has no ``raise``), P = 128:
 
     hidden      [T, H]               bf16     T <= 128, or T in {256} (T % 128 == 0, T <= T_MAX = 256);
                                               the op wrapper pads T up to a static bucket (host.T_BUCKETS)
@@ -51,52 +52,14 @@ POW2 = "pow2"
 OUTPUT_BLOCK = "output-block"
 
 
-def _fail(msg: str) -> None:
-    raise ValueError(f"moe_w8 kernel: {msg}")
-
-
-def check_contract(hidden, w13, w13_scales, w2, w2_scales, affinities, mode: str) -> dict:
-    """Validate shapes/dtypes/scale grids; return the sizes. Raises ValueError naming the tensor."""
-    if len(hidden.shape) != 2:
-        _fail(f"hidden must be [T, H], got {tuple(hidden.shape)}")
+def _dims(hidden, w13, mode):
+    """Sizes from the (host-checked) shapes: (T, H, E, I, gH, gI, G13, G2, TT, n_tt)."""
     t, h = hidden.shape
-    if len(w13.shape) != 4:
-        _fail(f"w13 must be [E, 128, H/128, 2I] (host.to_kernel_layout), got {tuple(w13.shape)}")
-    e, p, gh, two_i = w13.shape
+    e, _p, gh, two_i = w13.shape
     inter = two_i // 2
-    if p != P or h % P or gh * P != h:
-        _fail(f"w13 {tuple(w13.shape)} does not match hidden size H={h}: expected [E, 128, {h // P}, 2I] with H a multiple of 128")
-    if inter % P or two_i != 2 * inter:
-        _fail(f"intermediate size I={two_i / 2} (w13 last dim {two_i}) must be a multiple of 128")
     gi = inter // P
-    if tuple(w2.shape) != (e, P, gi, h):
-        _fail(f"w2 has shape {tuple(w2.shape)}; expected [E, 128, I/128, H] = {(e, P, gi, h)}")
-    if tuple(affinities.shape) != (t, e):
-        _fail(f"affinities has shape {tuple(affinities.shape)}; expected [T, E_local] = {(t, e)}")
-    if not (1 <= t <= T_MAX and (t <= P or t % P == 0)):
-        _fail(f"T={t} tokens: the kernel takes T <= 128 or a multiple of 128 up to {T_MAX}; pad to a bucket (host.bucket_for)")
-    for name, tensor, dtype in (("hidden", hidden, nl.bfloat16), ("w13", w13, nl.uint8), ("w2", w2, nl.uint8),
-                                ("w13_scales", w13_scales, nl.float32), ("w2_scales", w2_scales, nl.float32),
-                                ("affinities", affinities, nl.float32)):
-        if tensor.dtype != dtype:
-            _fail(f"{name} has dtype {tensor.dtype}; expected {dtype}")
-    if mode == POW2:
-        g13, g2 = gh, gi
-    elif mode == OUTPUT_BLOCK:
-        g13, g2 = 1, 1
-        for name, tensor, cols in (("w13_scales", w13_scales, gh), ("w2_scales", w2_scales, gi)):
-            if len(tensor.shape) == 3 and tensor.shape[2] == cols and cols > 1:
-                _fail(
-                    f"{name} {tuple(tensor.shape)} is a 128x128 block-scale grid; the output-block kernel needs one scale "
-                    "per 128 output rows ([E, rows/128, 1]). Use moe_w8_pow2 for block scales, or repack with mode='output-block'"
-                )
-    else:
-        _fail(f"unknown mode {mode!r}")
-    if tuple(w13_scales.shape) != (e, 2 * gi, g13):
-        _fail(f"w13_scales has shape {tuple(w13_scales.shape)}; {mode} expects [E, 2I/128, {'H/128' if mode == POW2 else 1}] = {(e, 2 * gi, g13)}")
-    if tuple(w2_scales.shape) != (e, h // P, g2):
-        _fail(f"w2_scales has shape {tuple(w2_scales.shape)}; {mode} expects [E, H/128, {'I/128' if mode == POW2 else 1}] = {(e, h // P, g2)}")
-    return dict(T=t, H=h, E=e, I=inter, gH=gh, gI=gi, G13=g13, G2=g2, TT=min(t, P), n_tt=(t + P - 1) // P)
+    g13, g2 = (gh, gi) if mode == POW2 else (1, 1)
+    return t, h, e, inter, gh, gi, g13, g2, min(t, P), (t + P - 1) // P
 
 
 @nki.jit
@@ -112,36 +75,34 @@ def moe_w8_output_block(hidden, w13, w13_scales, w2, w2_scales, affinities, swig
 
 
 def _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, mode, swiglu_limit):
-    s = check_contract(hidden, w13, w13_scales, w2, w2_scales, affinities, mode)
-    if swiglu_limit < 0:
-        _fail(f"swiglu_limit must be >= 0 (0: no clamp), got {swiglu_limit}")
-    s["limit"] = swiglu_limit
-    out = nl.ndarray((s["T"], s["H"]), dtype=nl.float32, buffer=nl.shared_hbm)
+    dims = _dims(hidden, w13, mode)
+    t, h, e_local, _inter, _gh, gi, g13, g2, tt_rows, n_tt = dims
+    out = nl.ndarray((t, h), dtype=nl.float32, buffer=nl.shared_hbm)
     ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
-    h_t, aff, acc = _load_tokens(hidden, affinities, s)
-    sc13_rows = w13_scales.reshape((s["E"], 1, 2 * s["gI"] * s["G13"]))
-    sc2_rows = w2_scales.reshape((s["E"], 1, (s["H"] // P) * s["G2"]))
-    for e in nl.sequential_range(s["E"]):
-        _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, s, mode)
-    for tt in range(s["n_tt"]):
-        nisa.dma_copy(dst=out[tt * s["TT"]:(tt + 1) * s["TT"], :], src=acc[:, tt, :])
+    h_t, aff, acc = _load_tokens(hidden, affinities, dims)
+    sc13_rows = w13_scales.reshape((e_local, 1, 2 * gi * g13))
+    sc2_rows = w2_scales.reshape((e_local, 1, (h // P) * g2))
+    for e in nl.sequential_range(e_local):
+        _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, swiglu_limit)
+    for tt in range(n_tt):
+        nisa.dma_copy(dst=out[tt * tt_rows:(tt + 1) * tt_rows, :], src=acc[:, tt, :])
     return out
 
 
-def _load_tokens(hidden, affinities, s):
+def _load_tokens(hidden, affinities, dims):
     """hidden^T [P, H/P, T] bf16, affinities [TT, n_tt, E] fp32, zeroed accumulators [TT, n_tt, H] fp32."""
-    tt_rows, n_tt = s["TT"], s["n_tt"]
-    h_t = nl.ndarray((P, s["gH"], s["T"]), dtype=nl.bfloat16, buffer=nl.sbuf)
-    aff = nl.ndarray((tt_rows, n_tt, s["E"]), dtype=nl.float32, buffer=nl.sbuf)
-    acc = nl.ndarray((tt_rows, n_tt, s["H"]), dtype=nl.float32, buffer=nl.sbuf)
+    t, h, e_local, _inter, gh, _gi, _g13, _g2, tt_rows, n_tt = dims
+    h_t = nl.ndarray((P, gh, t), dtype=nl.bfloat16, buffer=nl.sbuf)
+    aff = nl.ndarray((tt_rows, n_tt, e_local), dtype=nl.float32, buffer=nl.sbuf)
+    acc = nl.ndarray((tt_rows, n_tt, h), dtype=nl.float32, buffer=nl.sbuf)
     for tt in range(n_tt):
         rows = slice(tt * tt_rows, (tt + 1) * tt_rows)
-        x = nl.ndarray((tt_rows, s["H"]), dtype=nl.bfloat16, buffer=nl.sbuf)
+        x = nl.ndarray((tt_rows, h), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.dma_copy(dst=x, src=hidden[rows, :])
         nisa.dma_copy(dst=aff[:, tt, :], src=affinities[rows, :])
         nisa.memset(dst=acc[:, tt, :], value=0.0)
-        for k in range(s["gH"]):
+        for k in range(gh):
             x_t = nl.ndarray((P, tt_rows), dtype=nl.bfloat16, buffer=nl.psum)  # transposes keep the dtype
             nisa.nc_transpose(dst=x_t, data=x[:, k * P:(k + 1) * P])
             nisa.tensor_copy(dst=h_t[:, k, rows], src=x_t)
@@ -162,12 +123,17 @@ def _broadcast_row(row_hbm, rows, ones):
     return out
 
 
-def _contract(stationary, cols, weights, n_k, scales, scale_col, mode, rows, width):
+def _scale_col(block0, nb, k, per_block):
+    """Column of the broadcast scale row for output block ``block0 + nb`` and contraction block ``k``."""
+    return (block0 + nb) * per_block + k
+
+
+def _contract(stationary, cols, weights, n_k, scales, block0, per_block, mode, rows, width):
     """sum_k stationary[:, k, cols].T @ weights[:, k, :] for a [rows, width] output slab.
 
     output-block: the unscaled PSUM accumulation (the caller scales while evacuating).
     pow2: an fp32 SBUF tile in which each k partial, per 128-column block nb, was multiplied by its own
-    scale ``scales[:, scale_col(nb, k)]`` on ScalarE before VectorE added it.
+    scale ``scales[:, _scale_col(block0, nb, k, per_block)]`` on ScalarE before VectorE added it.
     """
     codes = weights.view(nl.float8_e4m3)
     if mode == OUTPUT_BLOCK:
@@ -181,7 +147,7 @@ def _contract(stationary, cols, weights, n_k, scales, scale_col, mode, rows, wid
         nisa.nc_matmul(dst=ps, stationary=stationary[:, k, cols], moving=codes[:, k, :], accumulate=False)
         for nb in range(width // P):
             blk = slice(nb * P, (nb + 1) * P)
-            c = scale_col(nb, k)
+            c = _scale_col(block0, nb, k, per_block)
             if k == 0:
                 nisa.activation(dst=total[:, blk], op=nl.copy, data=ps[:, blk], scale=scales[:, c:c + 1])
             else:
@@ -191,8 +157,8 @@ def _contract(stationary, cols, weights, n_k, scales, scale_col, mode, rows, wid
     return total
 
 
-def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, s, mode):
-    tt_rows, n_tt, inter, gi, g13, g2 = s["TT"], s["n_tt"], s["I"], s["gI"], s["G13"], s["G2"]
+def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, limit):
+    t, h, _e_local, inter, gh, gi, g13, g2, tt_rows, n_tt = dims
     sc13 = _broadcast_row(sc13_rows[e], tt_rows, ones)  # [TT, 2gI * G13]
     sc2 = _broadcast_row(sc2_rows[e], tt_rows, ones)  # [TT, gH * G2]
     act = nl.ndarray((tt_rows, n_tt, inter), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -200,22 +166,21 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, s, mode):
     # gate / up projections, 512 intermediate columns at a time
     for c0 in range(0, inter, SLAB):
         w = min(SLAB, inter - c0)
-        w_gate = nl.ndarray((P, s["gH"], w), dtype=nl.uint8, buffer=nl.sbuf)
-        w_up = nl.ndarray((P, s["gH"], w), dtype=nl.uint8, buffer=nl.sbuf)
+        w_gate = nl.ndarray((P, gh, w), dtype=nl.uint8, buffer=nl.sbuf)
+        w_up = nl.ndarray((P, gh, w), dtype=nl.uint8, buffer=nl.sbuf)
         nisa.dma_copy(dst=w_gate, src=w13[e, :, :, c0:c0 + w])
         nisa.dma_copy(dst=w_up, src=w13[e, :, :, inter + c0:inter + c0 + w])
-        gate_col = lambda nb, k, c0=c0: (c0 // P + nb) * g13 + k  # noqa: E731
-        up_col = lambda nb, k, c0=c0: (gi + c0 // P + nb) * g13 + k  # noqa: E731
+        gate0 = c0 // P  # first gate row block of this slab in the w13 scale grid; up rows follow all gi gate blocks
+        up0 = gi + c0 // P
         for tt in range(n_tt):
             cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
-            gate = _contract(h_t, cols, w_gate, s["gH"], sc13, gate_col, mode, tt_rows, w)
-            up = _contract(h_t, cols, w_up, s["gH"], sc13, up_col, mode, tt_rows, w)
+            gate = _contract(h_t, cols, w_gate, gh, sc13, gate0, g13, mode, tt_rows, w)
+            up = _contract(h_t, cols, w_up, gh, sc13, up0, g13, mode, tt_rows, w)
             silu = nl.ndarray((tt_rows, w), dtype=nl.float32, buffer=nl.sbuf)
-            limit = s["limit"]
             if mode == OUTPUT_BLOCK:
                 for nb in range(w // P):
                     blk = slice(nb * P, (nb + 1) * P)
-                    c = gate_col(nb, 0)
+                    c = _scale_col(gate0, nb, 0, g13)
                     if limit > 0:  # SiLU(min(gate, limit)): scale and clamp on VectorE, then SiLU
                         nisa.tensor_scalar(dst=silu[:, blk], data=gate[:, blk], op0=nl.multiply, operand0=sc13[:, c:c + 1],
                                            op1=nl.minimum, operand1=limit)
@@ -227,11 +192,12 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, s, mode):
                     nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
                     nisa.tensor_scalar(dst=up, data=up, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
                 nisa.activation(dst=silu, op=nl.silu, data=gate)
-            nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=aff[:, tt, e:e + 1], engine=nisa.engine.gpsimd)
+            nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=aff[:, tt, e:e + 1],
+                               engine=nisa.engine.scalar)  # VectorE is the busier engine (pow2 block adds)
             if mode == OUTPUT_BLOCK:
                 for nb in range(w // P):
                     blk = slice(nb * P, (nb + 1) * P)
-                    c = up_col(nb, 0)
+                    c = _scale_col(up0, nb, 0, g13)
                     dst = act[:, tt, c0 + nb * P:c0 + (nb + 1) * P]
                     if limit > 0:  # clamp(up * scale, -limit, limit) * silu
                         up_c = nl.ndarray((tt_rows, P), dtype=nl.float32, buffer=nl.sbuf)
@@ -246,7 +212,7 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, s, mode):
                 nisa.tensor_tensor(dst=act[:, tt, c0:c0 + w], data1=up, data2=silu, op=nl.multiply)
 
     # activation^T [P, I/P, T] bf16: the stationary operand of the down projection
-    act_t = nl.ndarray((P, gi, s["T"]), dtype=nl.bfloat16, buffer=nl.sbuf)
+    act_t = nl.ndarray((P, gi, t), dtype=nl.bfloat16, buffer=nl.sbuf)
     for tt in range(n_tt):
         cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
         for k in range(gi):
@@ -255,17 +221,17 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, s, mode):
             nisa.tensor_copy(dst=act_t[:, k, cols], src=ps, engine=nisa.engine.scalar)
 
     # down projection, 512 hidden columns at a time, added into the fp32 accumulators
-    for h0 in range(0, s["H"], SLAB):
-        w = min(SLAB, s["H"] - h0)
+    for h0 in range(0, h, SLAB):
+        w = min(SLAB, h - h0)
         w_down = nl.ndarray((P, gi, w), dtype=nl.uint8, buffer=nl.sbuf)
         nisa.dma_copy(dst=w_down, src=w2[e, :, :, h0:h0 + w])
-        down_col = lambda nb, k, h0=h0: (h0 // P + nb) * g2 + k  # noqa: E731
+        down0 = h0 // P
         for tt in range(n_tt):
             cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
-            res = _contract(act_t, cols, w_down, gi, sc2, down_col, mode, tt_rows, w)
+            res = _contract(act_t, cols, w_down, gi, sc2, down0, g2, mode, tt_rows, w)
             if mode == OUTPUT_BLOCK:
                 for nb in range(w // P):
-                    c = down_col(nb, 0)
+                    c = _scale_col(down0, nb, 0, g2)
                     out_blk = acc[:, tt, h0 + nb * P:h0 + (nb + 1) * P]
                     nisa.scalar_tensor_tensor(dst=out_blk, data=res[:, nb * P:(nb + 1) * P], op0=nl.multiply,
                                               operand0=sc2[:, c:c + 1], op1=nl.add, operand1=out_blk)

@@ -2,9 +2,15 @@
 and writes what the tests judge (prompt logprobs, greedy tokens, errors) to a JSON file.
 
 Run as ``python _models_runner.py ARGS.json OUT.json``. ARGS: {"runs": [{"name", "model", "llm": {...},
-"dense_mla": bool}], "prompts": [str], "max_tokens": int, "max_model_len": int}. Every run is independent: a run that fails records
-its error and the next one still starts. Results are written after every run, so a child that aborts at
-shutdown (vLLM's CPU build at TP=2) has already delivered them.
+"dense_mla": bool, "rope_fix": bool}], "prompts": [str], "prompt_sets": [[str]], "max_tokens": int, "max_model_len": int}.
+Every run is independent: a run that fails records its error and the next one still starts. Results are written
+after every run, so a child that aborts at shutdown (vLLM's CPU build at TP=2) has already delivered them.
+
+``prompt_sets`` (optional): after ``prompts``, each set is one more ``generate`` call, recorded under ``"sets"``
+(prompt logprobs per prompt). With the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the
+tests set) every prompt of one call is queued before the first engine step, so each call is scheduled as one batch,
+the same way every time. ``"rope_fix": false`` turns vllm_moe_w8.cpu_rope_fix's correction off for that run (the
+engine core must be in-process for it to reach the model).
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ def run(args: dict, out_path: str) -> None:
             kwargs["hf_overrides"] = dense_mla
         entry: dict = {}
         llm = None
+        from vllm_moe_w8.vllm_glue import cpu_rope_fix
+
+        cpu_rope_fix.enabled = spec.get("rope_fix", True)
         try:
             llm = LLM(model=spec["model"], **kwargs)
             params = SamplingParams(max_tokens=args.get("max_tokens", 4), temperature=0.0, prompt_logprobs=0, logprobs=0)
@@ -63,6 +72,8 @@ def run(args: dict, out_path: str) -> None:
             entry["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
             entry["text"] = [o.outputs[0].text for o in outs]
             entry["finite"] = all(math.isfinite(v) for row in entry["prompt_logprobs"] for v in row)
+            entry["sets"] = [[_prompt_logprobs(o) for o in llm.generate(prompts, params)]
+                             for prompts in args.get("prompt_sets", [])]
         except Exception as exc:  # recorded for the test to report
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry["traceback"] = traceback.format_exc()[-4000:]

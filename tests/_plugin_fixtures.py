@@ -54,7 +54,7 @@ def make_checkpoint(num_experts=4, hidden=256, inter=384, fmt="block", scale_dty
 
 
 def quant_config_for(fmt: str):
-    from vllm_moe_w8.quant_config import NeuronW8Config
+    from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
 
     if fmt == "block":
         cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}

@@ -58,7 +58,8 @@ def tiny_twin(tiny_checkpoint):
 
 
 def run_models_child(args: dict, workdir: Path, env: dict | None = None, timeout: float = 900) -> dict:
-    """Run ``tests/_models_runner.py`` in a fresh process; return its JSON results (see that module).
+    """Run ``tests/_models_runner.py`` in a fresh process; return its JSON results (see that module), plus
+    ``_log`` (the end of the child's output) and ``_plugin_log`` (every ``neuron-w8:`` log line, all ranks).
 
     The results file is judged even when the child exits non-zero after writing it (vLLM's CPU build
     may abort at shutdown with TP=2); with no results at all the child's log is shown.
@@ -69,10 +70,12 @@ def run_models_child(args: dict, workdir: Path, env: dict | None = None, timeout
     child_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     proc = subprocess.run([sys.executable, str(TESTS_DIR / "_models_runner.py"), str(args_path), str(out_path)],
                           capture_output=True, text=True, timeout=timeout, env=child_env, cwd=workdir)
-    log = (proc.stdout + proc.stderr)[-8000:]
+    full_log = proc.stdout + proc.stderr
+    log = full_log[-8000:]
     if not out_path.exists():
         raise AssertionError(f"the vLLM child wrote no results (exit {proc.returncode}):\n{log}")
     results = json.loads(out_path.read_text())
     results["_log"] = log
+    results["_plugin_log"] = [line for line in full_log.splitlines() if "neuron-w8:" in line]  # every rank's load lines
     results["_returncode"] = proc.returncode
     return results

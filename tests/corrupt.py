@@ -114,6 +114,20 @@ def set_scale_value(path: Path, value: float, name: str | None = None) -> str:
     return name
 
 
+def double_scale_tile(path: Path, name: str | None = None) -> str:
+    """Double the first scale of an expert's grid (one 128x128 tile, or one row's per-channel scale): a
+    plausible, finite export bug that only the served numbers reveal; returns the tensor name."""
+    name = name or expert_name(path, scale_suffix(path))
+
+    def fn(t):
+        t = t.clone()
+        t.view(-1)[0] = t.view(-1)[0] * 2
+        return t
+
+    edit_tensor(path, name, fn)
+    return name
+
+
 def set_nan_code(path: Path, code: int = 0x7F, name: str | None = None) -> str:
     """Write the e4m3fn NaN byte ``code`` (0x7F or 0xFF) into an expert weight; returns the tensor name."""
     name = name or expert_name(path, "weight")

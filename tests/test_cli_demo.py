@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_moe_w8 import demo
+from vllm_moe_w8.tools import demo
 
 DEMO_TIMEOUT_S = 900  # vllm serve start-up (~25 s alone, minutes on a loaded 2-core machine) + one request
 
 
 def _demo_cmd() -> list[str]:
     exe = Path(sys.executable).with_name("vllm-moe-w8")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm_moe_w8.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm_moe_w8.tools.cli"]
 
 
 def _port_open(port: int) -> bool:

@@ -8,12 +8,12 @@ import sys
 
 CHECK = """
 import io, contextlib, sys
-from vllm_moe_w8 import cli
+from vllm_moe_w8.tools import cli
 with contextlib.redirect_stdout(io.StringIO()):
     assert cli.main(["plan", "glm-5.3-flash", "--tp", "32", "--ep", "--json"]) == 0
     assert cli.main(["configs", "--json"]) == 0
 assert "torch" not in sys.modules and "vllm" not in sys.modules, "plan/configs pulled in torch or vllm"
-import vllm_moe_w8.checkpoint, vllm_moe_w8.inspect_ckpt, vllm_moe_w8.convert, vllm_moe_w8.demo, vllm_moe_w8.plan
+import vllm_moe_w8.codec.checkpoint, vllm_moe_w8.tools.inspect_ckpt, vllm_moe_w8.tools.convert, vllm_moe_w8.tools.demo, vllm_moe_w8.tools.plan
 assert "vllm" not in sys.modules, "a CLI module imports vllm at import time"
 print("ok")
 """

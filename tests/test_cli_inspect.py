@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-from vllm_moe_w8 import cli
-from vllm_moe_w8.checkpoint import INDEX_NAME
+from vllm_moe_w8.tools import cli
+from vllm_moe_w8.codec.checkpoint import INDEX_NAME
 
 pytest.importorskip("tokenizers")
 from vllm_moe_w8 import tiny_models  # noqa: E402
@@ -185,7 +185,7 @@ def test_not_a_checkpoint(tmp_path, capsys):
 def test_console_script_exit_codes(good, broken):
     """The installed `vllm-moe-w8` entry point: 0 on a good checkpoint, 1 on a broken one, 2 on bad usage."""
     exe = Path(sys.executable).with_name("vllm-moe-w8")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm_moe_w8.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm_moe_w8.tools.cli"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     ok = subprocess.run(cmd + ["inspect", str(good), "--quiet"], capture_output=True, text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr

@@ -1,6 +1,6 @@
 """`vllm-moe-w8 convert`: bit-identical to converting at load time, atomic, resumable, careful with OUT.
 
-The truth for expert tensors is :func:`vllm_moe_w8.fp8.repack` applied to the original checkpoint's
+The truth for expert tensors is :func:`vllm_moe_w8.codec.fp8.repack` applied to the original checkpoint's
 tensors (what the plugin does at load time); everything else must be byte-identical to the source.
 """
 
@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from vllm_moe_w8 import cli, fp8
-from vllm_moe_w8.checkpoint import INDEX_NAME, Checkpoint, parse_expert_name
-from vllm_moe_w8.convert import MANIFEST, convert_checkpoint
+from vllm_moe_w8.tools import cli
+from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.codec.checkpoint import INDEX_NAME, Checkpoint, parse_expert_name
+from vllm_moe_w8.tools.convert import MANIFEST, convert_checkpoint
 
 pytest.importorskip("tokenizers")
 from vllm_moe_w8 import tiny_models  # noqa: E402
@@ -102,7 +103,7 @@ def test_other_formats_pow2(sources, tmp_path, name):
     expected_block = [1, 0] if name == "glm4-channel" else [128, 128]
     assert json.loads((out / "config.json").read_text())["quantization_config"]["expert_block_size"] == expected_block
     # the converted checkpoint passes inspect's validation (scale grids on the recorded tile)
-    from vllm_moe_w8.inspect_ckpt import inspect_checkpoint
+    from vllm_moe_w8.tools.inspect_ckpt import inspect_checkpoint
 
     r = inspect_checkpoint(out, progress=False)
     assert r["errors"] == [] and r["format"] == "neuron-w8"

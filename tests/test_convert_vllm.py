@@ -64,15 +64,14 @@ def _calm_half_tile(path: Path, name: str) -> None:
     save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
-@pytest.mark.vllm
-def test_layers_bit_identical_for_every_rank(tmp_path):
+def test_layers_bit_identical_for_every_rank(tmp_path):  # in-process vLLM layers, no engine: quick
     pytest.importorskip("vllm")
     import torch
 
     from _plugin_fixtures import load_layer, make_layer
     from vllm_moe_w8 import tiny_models
-    from vllm_moe_w8.convert import convert_checkpoint
-    from vllm_moe_w8.quant_config import NeuronW8Config
+    from vllm_moe_w8.tools.convert import convert_checkpoint
+    from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
 
     mode = "pow2"
     src = tiny_models.write_checkpoint(tmp_path / "src", "qwen3-moe", num_experts=4, num_hidden_layers=1)
@@ -114,7 +113,7 @@ WORKER_TIMEOUT_S = 900  # two vLLM start-ups on a shared 2-core machine
 def test_llm_same_logprobs_and_no_repack(tmp_path):
     pytest.importorskip("vllm")
     from vllm_moe_w8 import tiny_models
-    from vllm_moe_w8.convert import convert_checkpoint
+    from vllm_moe_w8.tools.convert import convert_checkpoint
 
     src = tiny_models.write_checkpoint(tmp_path / "src", "qwen3.5-moe", num_experts=8)
     out = tmp_path / "converted"

@@ -1,4 +1,4 @@
-"""The CPU MoE op (vllm_moe_w8.cpu_moe) against the float64 reference MoE over exactly dequantised weights.
+"""The CPU MoE op (vllm_moe_w8.op.cpu) against the float64 reference MoE over exactly dequantised weights.
 
 Every implementation (the portable torch path and every native variant this CPU can run -- on an AVX-512 BF16
 host both ``avx512bf16`` and ``avx2``) must give the reference's numbers up to float32 rounding, for every scale
@@ -13,8 +13,10 @@ import math
 import pytest
 import torch
 
-from vllm_moe_w8 import cpu_moe, cpu_moe_native, fp8
-from vllm_moe_w8.moe_reference import reference_moe
+from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.op import cpu as cpu_moe
+from vllm_moe_w8.op import native as cpu_moe_native
+from vllm_moe_w8.op.reference import reference_moe
 
 # float32 compute (products of exactly dequantised weights, sums of <= a few thousand terms, two
 # matmuls deep) vs a float64 reference: a few hundred float32 ulps of the output's magnitude.
@@ -205,7 +207,7 @@ def test_falls_back_to_torch_and_says_why(fresh_native, monkeypatch, caplog, how
     gen = torch.Generator().manual_seed(5)
     ids, wts = make_routing(3, 2, e, gen)
     x = torch.randn(3, h).to(torch.bfloat16)
-    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.cpu_moe"):
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
         out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
     assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
     messages = [r.getMessage() for r in caplog.records]
@@ -229,7 +231,7 @@ def test_no_silent_fallback_on_a_supported_host(fresh_native, monkeypatch, caplo
     gen = torch.Generator().manual_seed(9)
     ids, wts = make_routing(5, 2, 4, gen)
     x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
-    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.cpu_moe"):
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
         out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
     assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
     assert any("native kernel" in r.getMessage() and f"instruction set {best}" in r.getMessage() for r in caplog.records)
@@ -243,7 +245,7 @@ def test_forced_isa_is_used_built_once_and_logged(fresh_native, monkeypatch, cap
     assert isa in first.name  # cached per instruction set
     assert cpu_moe.implementation(128, 64, 64) == f"native-{isa}"
     w13, w13_s, w2, w2_s = make_experts(2, 128, 64, (64, 64), "e4m3")
-    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.cpu_moe"):
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
         cpu_moe.fused_moe_cpu(torch.randn(1, 128), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int64), w13, w13_s, w2, w2_s, 64, 64, "e4m3")
     assert any(f"instruction set {isa}" in r.getMessage() for r in caplog.records)
 
@@ -302,7 +304,7 @@ def test_tile_width_outside_avx512_groups_uses_avx2_and_says_so(fresh_native, ca
     gen = torch.Generator().manual_seed(6)
     ids, wts = make_routing(4, 2, 3, gen)
     x = torch.randn(4, 256, generator=gen).to(torch.bfloat16)
-    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.cpu_moe"):
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
         out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 32, 32, "e4m3")
     assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 32, 32, "e4m3")
     messages = [r.getMessage() for r in caplog.records]

@@ -13,7 +13,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from vllm_moe_w8 import fp8
+from vllm_moe_w8.codec import fp8
 
 ALL_CODES = np.arange(256, dtype=np.uint8)
 FINITE_FN = ALL_CODES[(ALL_CODES & 0x7F) != 0x7F]
@@ -116,6 +116,39 @@ def test_pow2_is_exact_but_for_counted_rounding(shape, seed, dtype_i, sparse):
     assert r.stats.blocks_shifted == int((r.scales != scale.float()).sum())
 
 
+def output_block_within_bound(codes, scale, out_codes, out_scales) -> np.ndarray:
+    """The output-block gate, per element: |requantised - exact| <= half an e4m3 step (or half the subnormal
+    step of the row block's scale), plus the float32 rounding of the requantiser's w / s (an exact tie can
+    land either side). ``codes``/``scale``: the checkpoint's; ``out_codes``/``out_scales``: the repack's."""
+    n = codes.shape[0]
+    exact = ml_dequant(codes, scale.float().numpy(), (128, 128))
+    s_rows = np.repeat(out_scales.numpy(), 128)[:n, None]
+    got = ml_decode(out_codes.numpy(), ml_dtypes.float8_e4m3) * s_rows
+    bound = np.maximum(np.abs(exact) * E4M3_HALF_ULP_REL, s_rows * E4M3_HALF_SUBNORMAL_STEP) * (1 + 1e-6) + np.abs(exact) * FP32_ULP_REL
+    return np.abs(got - exact) <= bound
+
+
+def test_output_block_gate_catches_one_wrong_code_or_scale():
+    """The bound above is tight enough to see the smallest realistic repack faults."""
+    rng = np.random.default_rng(7)
+    codes = random_fp8(300, 200, rng)
+    scale = random_scale((3, 2), torch.float32, rng)
+    r = fp8.repack(torch.from_numpy(codes), scale, "output-block")
+    assert output_block_within_bound(codes, scale, r.codes, r.scales).all()
+    # one code off by one e4m3 step (its mantissa's last bit flipped), at a normal value of row block 1
+    i, j = 130, int(np.argmax((r.codes[130].numpy() & 0x7F)))
+    flipped = r.codes.clone()
+    flipped[i, j] ^= 1
+    ok = output_block_within_bound(codes, scale, flipped, r.scales)
+    assert not ok[i, j] and ok.sum() == ok.size - 1
+    # one row block's scale doubled: every normal weight of that block is caught (the smallest subnormals, whose
+    # bound is half the doubled block's subnormal step, may hide)
+    doubled = r.scales.clone()
+    doubled[2] *= 2
+    ok = output_block_within_bound(codes, scale, r.codes, doubled)
+    assert not ok[256:][r.codes[256:].numpy() & 0x7F >= 0x08].any() and ok[:256].all()
+
+
 @settings(max_examples=25, deadline=None)
 @given(shape=shapes, seed=st.integers(0, 2**31 - 1), dtype_i=st.integers(0, 2))
 @example(shape=(281, 12), seed=766, dtype_i=0)  # a float32 w/s landing on an exact subnormal tie
@@ -134,9 +167,7 @@ def test_output_block_requantises_within_half_a_step(shape, seed, dtype_i):
     # each row block's largest magnitude maps to (about) 240
     amax = np.abs(exact).reshape(-1, k).max(1)
     np.testing.assert_allclose(np.repeat(r.scales.numpy(), 128)[:n] * fp8.E4M3_MAX, np.maximum.reduceat(amax, np.arange(0, n, 128)).repeat(128)[:n], rtol=1e-6)
-    # half a step, plus the float32 rounding of the requantiser's w / s (an exact tie can land either side)
-    bound = np.maximum(np.abs(exact) * E4M3_HALF_ULP_REL, s_rows * E4M3_HALF_SUBNORMAL_STEP) * (1 + 1e-6) + np.abs(exact) * FP32_ULP_REL
-    assert np.all(np.abs(got - exact) <= bound)
+    assert output_block_within_bound(codes, scale, r.codes, r.scales).all()
     got32 = fp8.dequantize(r).numpy()
     np.testing.assert_array_equal(got32, got.astype(np.float32))  # an fp32 product is the rounded exact one
     assert r.stats.max_abs_error == float(np.abs(got32 - exact.astype(np.float32)).max())

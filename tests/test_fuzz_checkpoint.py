@@ -1,4 +1,4 @@
-"""Fuzz the checkpoint reader (vllm_moe_w8/checkpoint.py) with hypothesis: random bytes, random header JSON,
+"""Fuzz the checkpoint reader (vllm_moe_w8/codec/checkpoint.py) with hypothesis: random bytes, random header JSON,
 random index JSON, random truncation of real shards.
 
 Contract under test: reading a checkpoint folder either succeeds (possibly recording file-level
@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from vllm_moe_w8.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, read_header, validate_experts
+from vllm_moe_w8.codec.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, read_header
+from vllm_moe_w8.codec.checkpoint_checks import validate_experts
 
 # No shrinking phase: every example writes files, and shrinking a failure took minutes; the raw failing
 # example is printed instead.

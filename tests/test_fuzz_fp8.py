@@ -1,4 +1,4 @@
-"""Fuzz the FP8 codecs (vllm_moe_w8/fp8.py) with hypothesis: random shapes, dtypes, bytes, scales and tiles.
+"""Fuzz the FP8 codecs (vllm_moe_w8/codec/fp8.py) with hypothesis: random shapes, dtypes, bytes, scales and tiles.
 
 Contract under test: for any input, ``repack`` / ``dequantize_checkpoint`` / ``decode`` / ``resolve_block``
 either return a well-formed result or raise ``ValueError`` with a message; nothing else escapes (no
@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_moe_w8 import fp8
+from vllm_moe_w8.codec import fp8
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 POW2_RNE = 2.0**-9  # pow2: a rounded (odd subnormal / smallest-normal) value moves by 2**-9 x its tile's scale

@@ -12,6 +12,11 @@ they may only differ by fp32 summation order; Qwen3.5's Gated DeltaNet runs only
 named tolerance. GLM-5's DSA attention is refused by the CPU build ("Sparse Attention is not
 supported on CPU"); its runs use dense MLA (``_models_runner.dense_mla``), which equals DSA for
 prompts no longer than ``index_topk`` (64 here), so the checkpoint, its MoE and its MLA run for real.
+
+Both runs schedule alike: the engine core runs in the child's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
+three prompts of one ``generate`` call always form one batch. (With the engine core in its own process a batch
+depended on message timing; under vLLM's CPU rotary bug for MLA that made GLM-5 flaky, see
+``vllm_moe_w8.vllm_glue.cpu_rope_fix`` and tests/test_mla_batch_independence.py.)
 """
 
 from __future__ import annotations
@@ -21,19 +26,23 @@ import math
 import pytest
 import torch
 
+import corrupt
 from conftest import run_models_child
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # fp32 runs: identical weights; logits differ only by fp32 rounding of differently ordered sums and by
 # the pow2 repack's exact-or-round-to-even halving of odd subnormal codes (measured: 3e-6 on Qwen3-MoE);
-# 1e-4 leaves margin and still catches any real error (one wrong FP8 code or scale tile moves logprobs
-# by > 1e-3 at these sizes).
+# 1e-4 leaves margin and still catches any real error: one expert's scale tile doubled in the checkpoint
+# moved the max |dlogprob| by 0.53 (Qwen3-MoE), 0.79 (GLM-4 block), 0.60 (GLM-4 per-channel: one row's
+# scale), 2.25 (GLM-5) (test_gate_refuses_a_broken_checkpoint).
 LOGPROB_ATOL_FP32 = 1e-4
 # bf16 runs (Qwen3.5): the twin holds the weights rounded to bf16 and every activation is rounded to
 # bf16 in both runs, while neuron-w8 computes experts from the exact weights in fp32: the per-token
 # difference is a few bf16 ulps of the hidden state carried through two layers to the logits
-# (measured on Qwen3.5-MoE: max 0.031, mean 0.008; a wrong expert or scale tile costs > 0.5).
+# (measured on Qwen3.5-MoE: max 0.031, mean 0.008). One expert's scale tile doubled in the checkpoint
+# moved the max to 0.29 (Qwen3.5-MoE) and 0.23 (Qwen3.5 text, fp16 scales): the 0.1 gate catches it with a
+# 2.3x margin, while the mean (0.022, 0.025) would not; the max is the gate that matters here.
 LOGPROB_ATOL_BF16 = 0.1
 # ... and its mean over all prompt tokens must be smaller still (no systematic bias).
 LOGPROB_MEAN_ATOL_BF16 = 0.025
@@ -55,17 +64,32 @@ CASES = {
 }
 
 
+# Broken copies served next to each case, in the same child (one more engine start each): the gate must
+# refuse them. A checkpoint's own fault passes the load-time self-check (the plugin serves what the file
+# says), so only the accuracy gate can see it. name -> (what it breaks, corrupt.py function).
+FAULTS = {
+    "scale-tile-doubled": ("layer 1, expert 3 up_proj: its first scale tile (per-channel: row scale) x2", corrupt.double_scale_tile),
+}
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tiny_checkpoint, tiny_twin, tmp_path_factory):
-    """One child per case: the neuron-w8 run, then the twin's."""
+    """One child per case: the neuron-w8 run, the twin's, then each broken copy's (neuron-w8)."""
     name = request.param
     arch, fmt, scale_dtype, dtype, dense = CASES[name]
     ckpt = tiny_checkpoint(arch, fmt, scale_dtype=scale_dtype)
     twin = tiny_twin(arch, fmt, dtype=torch.float32, scale_dtype=scale_dtype)
-    runs = [{"name": "neuron-w8", "model": str(ckpt), "dense_mla": dense, "llm": {"quantization": "neuron-w8", "dtype": dtype}},
+    work = tmp_path_factory.mktemp(name)
+    quant = {"quantization": "neuron-w8", "dtype": dtype}
+    runs = [{"name": "neuron-w8", "model": str(ckpt), "dense_mla": dense, "llm": quant},
             {"name": "twin", "model": str(twin), "dense_mla": dense, "llm": {"dtype": dtype}}]
+    for fault, (_what, breaker) in FAULTS.items():
+        broken = corrupt.copy_checkpoint(ckpt, work / f"broken-{fault}")
+        breaker(broken)
+        runs.append({"name": fault, "model": str(broken), "dense_mla": dense, "llm": quant})
     results = run_models_child({"runs": runs, "prompts": PROMPTS, "max_tokens": 6, "max_model_len": 128},
-                               tmp_path_factory.mktemp(name), timeout=1500)
+                               work / "child", timeout=1500 + 600 * len(FAULTS),
+                               env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     return name, results
 
 
@@ -76,9 +100,8 @@ def _entry(results, name):
     return entry
 
 
-def test_prompt_logprobs_match_dequantised_twin(case):
-    case, results = case
-    quant, twin = _entry(results, "neuron-w8"), _entry(results, "twin")
+def logprob_gate(case: str, quant: dict, twin: dict) -> None:
+    """The accuracy gate: teacher-forced prompt logprobs of a neuron-w8 run vs the dequantised twin's."""
     assert quant["finite"] and twin["finite"]
     diffs = [abs(a - b) for qa, ta in zip(quant["prompt_logprobs"], twin["prompt_logprobs"]) for a, b in zip(qa, ta)]
     assert len(diffs) == sum(len(t) for t in twin["prompt_logprobs"]) > 30
@@ -88,9 +111,25 @@ def test_prompt_logprobs_match_dequantised_twin(case):
     else:
         assert worst <= LOGPROB_ATOL_BF16, f"{case}: max |dlogprob| {worst:.3g} > {LOGPROB_ATOL_BF16} (mean {mean:.3g})"
         assert mean <= LOGPROB_MEAN_ATOL_BF16, f"{case}: mean |dlogprob| {mean:.3g} > {LOGPROB_MEAN_ATOL_BF16}"
+
+
+def test_prompt_logprobs_match_dequantised_twin(case):
+    case, results = case
+    quant, twin = _entry(results, "neuron-w8"), _entry(results, "twin")
+    logprob_gate(case, quant, twin)
     # The logprobs are informative (not flat): a random-weight model far from uniform over the vocabulary.
     uniform = -math.log(512)
     assert any(abs(v - uniform) > 1.0 for row in twin["prompt_logprobs"] for v in row)
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_gate_refuses_a_broken_checkpoint(case, fault):
+    """The gate's twin: the same checkpoint with one realistic fault, served by neuron-w8, fails it."""
+    case, results = case
+    broken, twin = _entry(results, fault), _entry(results, "twin")
+    with pytest.raises(AssertionError, match=r"\|dlogprob\|") as err:
+        logprob_gate(case, broken, twin)
+    print(f"{case} / {fault} ({FAULTS[fault][0]}): {err.value}")
 
 
 def test_offline_generate(case):

@@ -31,9 +31,11 @@ pytest.importorskip("vllm")
 
 from _plugin_fixtures import rel_err, routing  # noqa: E402
 
-from vllm_moe_w8 import fp8, moe_reference, tiny_models  # noqa: E402
+from vllm_moe_w8.codec import fp8  # noqa: E402
+from vllm_moe_w8.op import reference as moe_reference  # noqa: E402
+from vllm_moe_w8 import tiny_models  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+# In-process (a VllmConfig and the model class, no engine): quick, needs vLLM importable (skip above).
 
 HIDDEN, INTER, EXPERTS, TOP_K = 256, 384, 8, 2
 MLP_LAYER_TYPES = ["dense", "sparse", "sparse"]
@@ -134,7 +136,7 @@ def build_and_load(vllm_config, naming: str, experts: dict, routers: dict):
     from vllm.config import set_current_vllm_config
     from vllm.models.glm5next import Glm5NextForCausalLM, Glm5NextForConditionalGeneration
 
-    from vllm_moe_w8.moe_method import NeuronW8MoEMethod
+    from vllm_moe_w8.vllm_glue.moe_method import NeuronW8MoEMethod
 
     with set_current_vllm_config(vllm_config):
         # The wrapper builds its text model with prefix "language_model" (which also keeps the layer names
@@ -215,7 +217,7 @@ def test_stored_experts_are_the_pow2_repack_of_the_checkpoint(loaded_model, chec
 
 
 def test_routed_experts_forward_matches_references(loaded_model, checkpoint):
-    import vllm_moe_w8.moe_op  # noqa: F401  (registers torch.ops.moe_w8)
+    import vllm_moe_w8.op.custom_op  # noqa: F401  (registers torch.ops.moe_w8)
 
     naming, model, loaded, moe_layers = loaded_model
     experts, _ = checkpoint
@@ -284,7 +286,7 @@ def test_complete_checkpoint_loads_every_parameter_through_vllms_loader(glm5next
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.models.glm5next import Glm5NextForCausalLM
 
-    from vllm_moe_w8.moe_method import NeuronW8MoEMethod
+    from vllm_moe_w8.vllm_glue.moe_method import NeuronW8MoEMethod
 
     experts, _ = checkpoint
     with set_current_vllm_config(glm5next):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_moe_w8 import neuron_binding
+from vllm_moe_w8.neuron_glue import binding as neuron_binding
 from vllm_moe_w8.kernels import host, nki_api
 
 
@@ -18,11 +18,18 @@ def test_unavailable_here_with_a_reason_the_op_can_log():
     assert isinstance(reason, str) and reason
 
 
-def test_the_op_sees_the_binding():
-    from vllm_moe_w8 import moe_op
+def test_the_op_relays_the_binding_and_survives_its_failure(monkeypatch):
+    from vllm_moe_w8.op import custom_op as moe_op
 
-    ok, reason = moe_op.neuron_status()
-    assert (ok, reason) == neuron_binding.available()
+    monkeypatch.setattr(neuron_binding, "available", lambda: (True, "a stub device"))
+    assert moe_op.neuron_status() == (True, "a stub device")
+    assert moe_op.compute_path("cpu")[1].endswith("Neuron path available but unused")
+
+    def broken():
+        raise RuntimeError("driver missing")
+
+    monkeypatch.setattr(neuron_binding, "available", broken)
+    assert moe_op.neuron_status() == (False, "neuron_glue.binding.available() raised RuntimeError: driver missing")
 
 
 def test_static_shape_affinities_match_the_host_helper():

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_moe_w8 import fp8
+from vllm_moe_w8.codec import fp8
 from vllm_moe_w8.kernels import host, launch
 from vllm_moe_w8.kernels.moe_w8 import T_MAX, moe_w8_output_block, moe_w8_pow2
 from vllm_moe_w8.kernels.nki_api import BACKEND
-from vllm_moe_w8.moe_reference import activate, dequantize_expert, dequantize_w13, reference_moe
+from vllm_moe_w8.op.reference import activate, dequantize_expert, dequantize_w13, reference_moe
 
 # The kernel's only rounding beyond fp32 accumulation: the activation SiLU(g)*u*affinity is rounded to
 # bf16 (unit roundoff 2**-9) before the down projection, so |kernel - reference| <= 2**-9 * sum_j |W2[h, j]| |act_j|.
@@ -97,6 +97,11 @@ def qwen_ckpt():
 
 
 @pytest.fixture(scope="module")
+def small_ckpt():
+    return checkpoint_experts(4, 256, 256, seed=3)
+
+
+@pytest.fixture(scope="module")
 def glm_ckpt():
     return checkpoint_experts(4, GLM["H"], GLM["I"], seed=2)
 
@@ -106,23 +111,33 @@ def _slice_experts(ckpt, n):
     return (c13[:n], s13[:n]), (c2[:n], s2[:n])
 
 
-def check_kernel(ckpt, mode, tokens, top_k, seed, swiglu_limit=0.0):
+def kernel_gate(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None:
+    """Kernel vs reference: elementwise within the bf16-activation bound, and a small relative norm."""
+    err = (out - ref).abs()
+    assert bool((err <= bound).all()), f"max err/bound {float((err / bound).max()):.3f}"
+    assert float((out - ref).norm() / ref.norm()) < 4 * ACT_BF16_ROUNDOFF
+
+
+def check_kernel(ckpt, mode, tokens, top_k, seed, swiglu_limit=0.0, fault=None):
+    """Run the kernel for ``mode`` and gate it against the reference; ``fault(kw)`` corrupts the kernel's
+    weights only (the reference keeps the checkpoint's), for the gate's fault-injection twin."""
     w13, s13, w2, s2, block = repacked(ckpt, mode)
     num_experts, hidden = w13.shape[0], w2.shape[1]
     x = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))).to(torch.bfloat16)
     topk_weights, topk_ids = routing(tokens, num_experts, top_k, seed)
     kw = host.to_kernel_layout(w13, s13, w2, s2, block[0], block[1], "e4m3")
     assert kw.mode == mode
+    if fault is not None:  # on copies: the layout shares fp32 scale tensors with the reference's inputs
+        kw = host.KernelWeights(kw.w13.clone(), kw.w13_scales.clone(), kw.w2.clone(), kw.w2_scales.clone(), kw.mode)
+        fault(kw)
     stats = []
     out = launch.simulate_moe(x, topk_weights, topk_ids, kw, stats, swiglu_limit=swiglu_limit)
     ref = reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3", swiglu_limit=swiglu_limit)
     if swiglu_limit > 0:  # the clamp must bite, or this case tests nothing
         assert not torch.equal(ref, reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3"))
     bound = ABS_FLOOR + BOUND_SLACK * ACT_BF16_ROUNDOFF * error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block, swiglu_limit)
-    err = (out - ref).abs()
     assert out.shape == (tokens, hidden) and out.dtype == torch.float32
-    assert bool((err <= bound).all()), f"max err/bound {float((err / bound).max()):.3f}"
-    assert float((out - ref).norm() / ref.norm()) < 4 * ACT_BF16_ROUNDOFF
+    kernel_gate(out, ref, bound)
     unrouted = (topk_ids < 0).all(dim=1)
     assert bool((out[unrouted] == 0).all()), "a token routed to no local expert must get exactly 0"
     if BACKEND == "interpreter":
@@ -159,7 +174,34 @@ def test_output_block_glm_shape(glm_ckpt):
     check_kernel(_slice_experts(glm_ckpt, 2), "output-block", 64, top_k=2, seed=6, swiglu_limit=GLM_TEST_SWIGLU_LIMIT)
 
 
-# --- contract checks on entry -------------------------------------------------------------------------------
+# --- the gate's fault-injection twin: the smallest realistic weight faults must fail it ---------------------
+
+def _double_one_scale_tile(kw):
+    kw.w13_scales[0, 0, kw.w13_scales.shape[2] - 1] *= 2  # expert 0 (routed), gate rows 0-127, last tile
+
+
+def _swap_gate_up(kw):
+    gate, up = kw.w13[1].chunk(2, dim=-1)
+    kw.w13[1] = torch.cat([up, gate], dim=-1).clone()  # expert 1's halves swapped (codes; scales alike here)
+    sg, su = kw.w13_scales[1].chunk(2, dim=0)
+    kw.w13_scales[1] = torch.cat([su, sg], dim=0).clone()
+
+
+def _flip_one_code(kw):
+    codes = kw.w2[0]  # expert 0's down projection: the sign of its largest weight
+    flat = int(torch.argmax(codes & 0x7F))
+    codes.view(-1)[flat] ^= 0x80
+
+
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+@pytest.mark.parametrize("fault", [_double_one_scale_tile, _swap_gate_up, _flip_one_code], ids=lambda f: f.__name__[1:])
+def test_kernel_gate_catches_one_weight_fault(small_ckpt, mode, fault):
+    check_kernel(small_ckpt, mode, 8, top_k=2, seed=9)  # the clean weights pass
+    with pytest.raises(AssertionError, match="max err/bound"):
+        check_kernel(small_ckpt, mode, 8, top_k=2, seed=9, fault=fault)
+
+
+# --- contract checks on the host, before every launch -------------------------------------------------------------------------------
 
 def _small_args(mode="pow2", tokens=16, experts=2, hidden=256, inter=128):
     w13 = np.zeros((experts, 128, hidden // 128, 2 * inter), np.uint8)
@@ -174,13 +216,7 @@ def _small_args(mode="pow2", tokens=16, experts=2, hidden=256, inter=128):
 
 
 def _run(kernel, args):
-    if BACKEND == "interpreter":
-        from vllm_moe_w8.kernels.nki_cpu import run
-
-        return run(kernel, *args)[0]
-    from vllm_moe_w8.kernels.nki_api import simulate
-
-    return simulate(kernel)(*args)
+    return launch.run_kernel(kernel, *args)
 
 
 def test_output_block_kernel_refuses_block_scales():

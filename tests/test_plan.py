@@ -1,7 +1,7 @@
 """`vllm-moe-w8 plan`: the published routed-expert figures, dense-layer spellings, KV models, TP advice.
 
-The CHECKPOINTS.md table (shared docs, beside the clone in CI) is the independent truth for the
-packaged configs; a converted tiny checkpoint's real tensor bytes are the truth for the scale model.
+The published routed-expert table (configs/README.md, copied from the project's checkpoint notes) is the
+independent truth for the packaged configs' numbers; a converted tiny checkpoint's real tensor bytes are the truth for the scale model.
 """
 
 from __future__ import annotations
@@ -12,28 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from vllm_moe_w8 import cli
-from vllm_moe_w8.plan import (
-    PlanError,
-    load_model_entry,
-    make_plan,
-    model_shape,
-    moe_layer_indices,
-    packaged_configs,
-)
+from vllm_moe_w8.tools import cli
+from vllm_moe_w8.tools.model_shape import PlanError, model_shape, moe_layer_indices
+from vllm_moe_w8.tools.plan import load_model_entry, make_plan, packaged_configs
 
 REPO = Path(__file__).resolve().parents[1]
-TABLE_CANDIDATES = [REPO.parent / "shared" / "docs" / "CHECKPOINTS.md", Path("/work/shared/docs/CHECKPOINTS.md")]
+TABLE = REPO / "configs" / "README.md"
 # The table prints GB with two decimals: a figure is right when it rounds to the printed value.
 TABLE_ROUNDING_GB = 0.005 + 1e-9
 
 
 def _table_rows() -> list[dict]:
-    path = next((p for p in TABLE_CANDIDATES if p.is_file()), None)
-    if path is None:
-        pytest.skip(f"CHECKPOINTS.md not found (looked in {[str(p) for p in TABLE_CANDIDATES]}); the shared docs are not beside this clone")
+    path = TABLE
     lines = path.read_text().splitlines()
-    header_i = next(i for i, l in enumerate(lines) if l.startswith("| model |"))
+    start = lines.index("<!-- routed-expert-table -->")
+    header_i = next(i for i, l in enumerate(lines) if i > start and l.startswith("| model |"))
     head = [c.strip() for c in lines[header_i].strip("|").split("|")]
     rows = []
     for line in lines[header_i + 2:]:
@@ -157,8 +150,8 @@ def test_scale_model_matches_a_converted_checkpoint(tmp_path):
     """The plan's with-scales bytes equal the bytes `convert` actually writes (pow2 and output-block)."""
     pytest.importorskip("tokenizers")
     from vllm_moe_w8 import tiny_models
-    from vllm_moe_w8.checkpoint import Checkpoint
-    from vllm_moe_w8.convert import convert_checkpoint
+    from vllm_moe_w8.codec.checkpoint import Checkpoint
+    from vllm_moe_w8.tools.convert import convert_checkpoint
 
     src = tiny_models.write_checkpoint(tmp_path / "src", "qwen3-moe")
     for mode in ("pow2", "output-block"):

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_moe_w8.quant_config import (  # noqa: E402
+from vllm_moe_w8.vllm_glue.quant_config import (  # noqa: E402
     AUTO_ENV,
     NeuronW8Config,
     UnsupportedCheckpoint,

@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 from _plugin_fixtures import quant_config_for, vllm_context  # noqa: E402
 
 from vllm_moe_w8 import tiny_models  # noqa: E402
+from vllm_moe_w8.vllm_glue.linear_method import NeuronW8LinearMethod  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -63,6 +64,7 @@ def test_qkv_ragged_kv_shards(tp, tp_size):
         tp(tp_size, rank)
         layer = _build(QKVParallelLinear, hidden_size=200, head_size=64, total_num_heads=4, total_num_kv_heads=2, bias=False,
                        prefix="model.layers.0.self_attn.qkv_proj")
+        assert isinstance(layer.quant_method, NeuronW8LinearMethod)
         for shard, t in (("q", q), ("k", k), ("v", v)):
             _load(layer, "weight_scale_inv", t, shard)
         layer.quant_method.process_weights_after_loading(layer)

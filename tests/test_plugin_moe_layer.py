@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -17,8 +18,9 @@ pytest.importorskip("vllm")
 
 from _plugin_fixtures import PREFIX, dense_moe, load_layer, make_checkpoint, make_layer, quant_config_for, rel_err, routing  # noqa: E402
 
-from vllm_moe_w8 import fp8, moe_reference  # noqa: E402
-from vllm_moe_w8.moe_method import POW2_BOUND_SLACK  # noqa: E402
+from vllm_moe_w8.codec import fp8  # noqa: E402
+from vllm_moe_w8.op import reference as moe_reference  # noqa: E402
+from vllm_moe_w8.vllm_glue.self_check import POW2_BOUND_SLACK  # noqa: E402
 
 # fp32 accumulation over H=256 / I<=384 products vs a float64 reference, plus pow2's counted
 # round-to-nearest-even values (each <= 2**-9 x its block scale): measured ~1e-6 of max|out|.
@@ -84,7 +86,7 @@ def test_stored_weights_dequantise_to_the_checkpoint(scale_dtype):
                     scale = fp8.expand_scales(ckpt.scales[e, shard].float(), tuple(want.shape), (128, 128))
                     assert bool(((got - want).abs() <= 2.0**-9 * POW2_BOUND_SLACK * scale).all())
                     changed += int((got != want).sum())
-    assert changed == int(pow2.quant_method.quant_config.load_stats["values_rounded"])
+    assert changed == int(pow2.quant_method.load_summary.totals["values_rounded"])
     assert gate.shape == (inter, ckpt.hidden)
 
 
@@ -97,6 +99,38 @@ def test_per_channel_compressed_tensors_layer(tokens):
     assert rel_err(layer.quant_method.apply(layer, x, w, ids), dense_moe(ckpt, x, w, ids)) < EXACT_MODE_RTOL
 
 
+def rank_sum_gate(total, ref, dense) -> None:
+    """TP/EP rank loops: the all-reduced per-rank outputs equal the TP1 layer's up to fp32 summation order,
+    and the checkpoint's float64 MoE up to the exact modes' accumulation error."""
+    assert rel_err(total, ref) < SUMMATION_RTOL, f"rank sum vs TP1: rel err {rel_err(total, ref):.3g}"
+    assert rel_err(total, dense) < EXACT_MODE_RTOL, f"rank sum vs float64: rel err {rel_err(total, dense):.3g}"
+
+
+def tp_rank_sum(ckpt, tokens, tp_size, loads_rank=lambda rank: rank):
+    """Sum of the pow2 layer outputs of every TP rank; rank r loads the shard of ``loads_rank(r)``."""
+    x, w, ids = tokens
+    total = torch.zeros(x.shape[0], ckpt.hidden, dtype=torch.float64)
+    for rank in range(tp_size):
+        pow2 = _layer("block", ckpt, tp=(tp_size, loads_rank(rank)))
+        total += pow2.quant_method.apply(pow2, x, w, ids).double()
+    return total
+
+
+def ep_rank_sum(ckpt, tokens, loads_rank=lambda rank: rank):
+    """Sum of the layer outputs of two EP ranks (each holding half the experts); rank r loads ``loads_rank(r)``'s."""
+    x, w, ids = tokens
+    total = torch.zeros(x.shape[0], ckpt.hidden, dtype=torch.float64)
+    for rank in range(2):
+        layer = make_layer(quant_config_for("block"), ckpt, ep=(2, loads_rank(rank)))
+        loaded = load_layer(layer, ckpt)
+        assert loaded == ckpt.num_experts // 2 * 6  # 3 weights + 3 scales per local expert
+        assert layer.w13_weight.shape[0] == ckpt.num_experts // 2
+        stats = layer.quant_method.load_summary.totals
+        assert stats["blocks"] == ckpt.num_experts // 2 * (3 * 2 + 3 * 2 + 2 * 3)  # local experts only
+        total += layer.quant_method.apply(layer, x, w, ids).double()
+    return total
+
+
 @pytest.mark.parametrize("tp_size,inter", [(2, 384), (4, 384), (2, 320)])
 def test_tp_rank_loop_reassembles_and_sums_exactly(tokens, tp_size, inter):
     """Per-rank intermediate 192 / 96 / 160 is not a multiple of 128: the scale grid is refined to
@@ -106,7 +140,6 @@ def test_tp_rank_loop_reassembles_and_sums_exactly(tokens, tp_size, inter):
     ref_layer = _layer("block", ckpt)
     ref = ref_layer.quant_method.apply(ref_layer, x, w, ids)
     per_rank = inter // tp_size
-    total = torch.zeros(x.shape[0], ckpt.hidden, dtype=torch.float64)
     gates = {e: [] for e in range(ckpt.num_experts)}
     downs = {e: [] for e in range(ckpt.num_experts)}
     for rank in range(tp_size):
@@ -118,29 +151,30 @@ def test_tp_rank_loop_reassembles_and_sums_exactly(tokens, tp_size, inter):
             gate, _ = moe_reference.dequantize_w13(lut.w13_weight, lut.w13_weight_scale_inv, e, m.block, m.code_format)
             gates[e].append(gate)
             downs[e].append(moe_reference.dequantize_expert(lut.w2_weight[e], lut.w2_weight_scale_inv[e], m.block, m.code_format))
-        pow2 = _layer("block", ckpt, tp=(tp_size, rank))
-        total += pow2.quant_method.apply(pow2, x, w, ids).double()
     for e in range(ckpt.num_experts):
         assert torch.equal(torch.cat(gates[e], 0), ckpt.dense[e, "w1"])
         assert torch.equal(torch.cat(downs[e], 1), ckpt.dense[e, "w2"])
-    assert rel_err(total, ref) < SUMMATION_RTOL
-    assert rel_err(total, dense_moe(ckpt, x, w, ids)) < EXACT_MODE_RTOL
+    rank_sum_gate(tp_rank_sum(ckpt, tokens, tp_size), ref, dense_moe(ckpt, x, w, ids))
 
 
 def test_ep_rank_loop_holds_and_repacks_only_local_experts(ckpt, tokens):
     x, w, ids = tokens
     ref = _layer("block", ckpt)
     ref_out = ref.quant_method.apply(ref, x, w, ids)
-    total = torch.zeros_like(ref_out, dtype=torch.float64)
-    for rank in range(2):
-        layer = make_layer(quant_config_for("block"), ckpt, ep=(2, rank))
-        loaded = load_layer(layer, ckpt)
-        assert loaded == ckpt.num_experts // 2 * 6  # 3 weights + 3 scales per local expert
-        assert layer.w13_weight.shape[0] == ckpt.num_experts // 2
-        stats = layer.quant_method.quant_config.load_stats
-        assert stats["blocks"] == ckpt.num_experts // 2 * (3 * 2 + 3 * 2 + 2 * 3)  # local experts only
-        total += layer.quant_method.apply(layer, x, w, ids).double()
-    assert rel_err(total, ref_out) < SUMMATION_RTOL
+    rank_sum_gate(ep_rank_sum(ckpt, tokens), ref_out, dense_moe(ckpt, x, w, ids))
+
+
+def test_rank_sum_gate_catches_a_wrong_rank_slice(ckpt, tokens):
+    """The gate's twin: the last rank loading rank 0's shard (TP: a wrong slice of every expert; EP: the
+    wrong half of the experts) must fail it."""
+    x, w, ids = tokens
+    ref = _layer("block", ckpt)
+    ref_out, dense = ref.quant_method.apply(ref, x, w, ids), dense_moe(ckpt, x, w, ids)
+    for tp_size in (2, 4):
+        with pytest.raises(AssertionError, match="rank sum vs TP1"):
+            rank_sum_gate(tp_rank_sum(ckpt, tokens, tp_size, loads_rank=lambda r: 0 if r == tp_size - 1 else r), ref_out, dense)
+    with pytest.raises(AssertionError, match="rank sum vs TP1"):
+        rank_sum_gate(ep_rank_sum(ckpt, tokens, loads_rank=lambda r: 0), ref_out, dense)
 
 
 def test_swiglu_limit_is_applied(ckpt, tokens):
@@ -151,22 +185,41 @@ def test_swiglu_limit_is_applied(ckpt, tokens):
     assert rel_err(out, dense_moe(ckpt, x, w, ids)) > 10 * EXACT_MODE_RTOL  # the clamp did bite
 
 
-def test_self_check_stops_a_bad_repack_and_can_be_disabled(ckpt, monkeypatch):
+def _flip_mantissa_lsb(out):
+    mag = out.codes & 0x7F
+    normal = torch.where(mag < 0x70, mag, 0)  # a large normal value that stays finite when flipped in either format
+    i, j = (int(v) for v in divmod(int(torch.argmax(normal)), out.codes.shape[1]))
+    out.codes[i, j] ^= 0x01  # one e4m3 step
+    return re.escape(f"[{i}, {j}]")
+
+
+def _double_first_scale(out):
+    out.scales.view(-1)[0] *= 2  # the first scale tile (pow2 / lut) or row block (output-block)
+    return r"\[0, \d+\]"
+
+
+@pytest.mark.parametrize("mode", ["pow2", "lut", "output-block"])
+@pytest.mark.parametrize("fault", [_flip_mantissa_lsb, _double_first_scale], ids=lambda f: f.__name__[1:])
+def test_self_check_stops_a_bad_repack_and_can_be_disabled(ckpt, monkeypatch, mode, fault):
+    """The load-time self-check against the smallest realistic repack faults, in every mode."""
     real = fp8.repack
+    where = []
 
     def corrupt(weight, scale, mode="pow2", block=fp8.DEFAULT_BLOCK, name=None):
         out = real(weight, scale, mode, block, name)
         if name and ".3.down_proj" in name:
-            out.codes[5, 7] ^= 0x08  # flip one exponent bit of one code
+            where.append(fault(out))
         return out
 
     monkeypatch.setattr(fp8, "repack", corrupt)
-    from vllm_moe_w8.moe_method import NumericsSelfCheckError
+    from vllm_moe_w8.vllm_glue.self_check import NumericsSelfCheckError
 
-    layer = make_layer(quant_config_for("block"), ckpt)
-    with pytest.raises(NumericsSelfCheckError, match=rf"layer {PREFIX}, expert 3 .*down_proj\[5, 7\]"):
+    config = {"neuron_w8": {"mode": mode}}
+    layer = make_layer(quant_config_for("block"), ckpt, additional_config=config)
+    with pytest.raises(NumericsSelfCheckError, match=rf"layer {PREFIX}, expert 3 .*down_proj") as err:
         load_layer(layer, ckpt)
-    layer = make_layer(quant_config_for("block"), ckpt, additional_config={"neuron_w8": {"self_check": False}})
+    assert where and re.search(where[0], str(err.value)), (where, str(err.value))
+    layer = make_layer(quant_config_for("block"), ckpt, additional_config={"neuron_w8": {"mode": mode, "self_check": False}})
     load_layer(layer, ckpt)  # no check: loads (and would serve the corrupted value)
 
 
@@ -209,7 +262,7 @@ def test_load_logs_start_and_summary(ckpt):
 def test_converted_checkpoint_loads_without_repack(ckpt, tokens, mode):
     """uint8 codes + fp32 scales as `vllm-moe-w8 convert` writes them: loaded as they are (no second repack),
     at TP1 and in a TP2 rank loop (tiles refined to 64 rows on 192-row ranks); same output as converting at load."""
-    from vllm_moe_w8.quant_config import NeuronW8Config
+    from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
 
     block = (128, 0) if mode == "output-block" else (128, 128)
     converted = {}

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_moe_w8 import fp8, moe_op, moe_reference
+from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.op import custom_op as moe_op
+from vllm_moe_w8.op import reference as moe_reference
 
 # Same stored weights, fp32 in both; only the summation order differs.
 SUMMATION_RTOL = 1e-5
@@ -81,7 +83,7 @@ def test_torch_compile_with_varying_token_counts(experts):
 
 def test_compute_path_reports_the_cpu_path_and_why():
     name, why = moe_op.compute_path("cpu")
-    assert name in ("cpu_moe.fused_moe_cpu", "moe_reference.reference_moe")
+    assert name == "op.cpu.fused_moe_cpu"
     assert "CPU" in why and "Neuron" in why
 
 
@@ -91,3 +93,22 @@ def test_bad_arguments_are_refused(experts):
         torch.ops.moe_w8.fused_moe(x, w, ids, *experts[:2], *experts[2:], 64, 64, "e5m2")
     with pytest.raises(ValueError, match="activation 'gelu' unsupported"):
         torch.ops.moe_w8.fused_moe(x, w, ids, *experts[:2], *experts[2:], 64, 64, "e4m3", "gelu")
+
+
+def test_a_cpu_implementation_that_cannot_import_is_an_error_naming_it():
+    """No silent switch to the fp32 reference: the op refuses to exist without its CPU implementation."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vllm_moe_w8.op.cpu':\n"
+        "            raise ImportError('planted: cpu implementation broken')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import vllm_moe_w8.op.custom_op\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "vllm_moe_w8.op.cpu failed to import" in r.stderr and "planted" in r.stderr, r.stderr[-2000:]

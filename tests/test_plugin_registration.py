@@ -38,10 +38,10 @@ def test_vllm_loads_the_plugin_through_its_entry_point():
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
-        from vllm_moe_w8.quant_config import NeuronW8Config
+        from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
         import vllm_moe_w8
         vllm_moe_w8.register(); vllm_moe_w8.register()  # idempotent
-        from vllm_moe_w8.vllm_plugin import register_with_vllm
+        from vllm_moe_w8.vllm_glue.register import register_with_vllm
         register_with_vllm()  # idempotent even past the package-level guard
         import torch
         print(get_quantization_config("neuron-w8") is NeuronW8Config, QUANTIZATION_METHODS.count("neuron-w8"),
@@ -52,7 +52,7 @@ def test_vllm_loads_the_plugin_through_its_entry_point():
 
 def test_version_range_and_warning(monkeypatch):
     pytest.importorskip("vllm")
-    from vllm_moe_w8 import vllm_plugin
+    from vllm_moe_w8.vllm_glue import register as vllm_plugin
 
     assert vllm_plugin.version_supported("0.32.0+cpu") and vllm_plugin.version_supported("0.32.7")
     assert not vllm_plugin.version_supported("0.31.2") and not vllm_plugin.version_supported("0.33.0")

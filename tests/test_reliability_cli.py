@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import corrupt as C
-from vllm_moe_w8.cli import main
+from vllm_moe_w8.tools.cli import main
 
 # Cases that only the data (not the headers) reveals: inspect needs --scan to see them.
 DATA_CASES = ("scale_zero", "scale_negative", "scale_nan", "scale_inf", "nan_code_7f", "nan_code_ff")

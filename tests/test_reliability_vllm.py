@@ -25,7 +25,7 @@ import pytest
 import corrupt as C
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
 LOAD_CASES_TIMEOUT_S = 600  # all cases together; each failing case takes seconds, the control ~20 s

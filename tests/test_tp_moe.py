@@ -39,7 +39,7 @@ def _run(tiny_checkpoint, tmp_path_factory, name, llm_extra, env=None):
     entry = res.get(name)
     assert entry is not None and "error" not in entry, (
         f"{name}: {entry and entry.get('error')}\n{entry and entry.get('traceback', '')}\nlog:\n{res['_log']}")
-    return entry
+    return dict(entry, _plugin_log=res["_plugin_log"])
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +55,20 @@ def _compare(ref, other, label):
     assert other["tokens"] == ref["tokens"], f"{label}: greedy tokens differ from TP=1"
 
 
+def _load_lines(entry, rank, tp_size):
+    lines = [line for line in entry["_plugin_log"] if "loading routed experts" in line and f"TP rank {rank}/{tp_size}" in line]
+    assert lines, f"no neuron-w8 load line for TP rank {rank}/{tp_size} in:\n" + "\n".join(entry["_plugin_log"])
+    return lines
+
+
 def test_tp2_ragged_192_rows_per_rank_matches_tp1(tp1, tiny_checkpoint, tmp_path_factory):
     tp2 = _run(tiny_checkpoint, tmp_path_factory, "tp2",
                {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, env=TP2_ENV)
     _compare(tp1, tp2, "TP=2")
+    # both ranks loaded their 192 rows on the refined 64-row scale grid (gcd(192, 128)), not the checkpoint's 128
+    for rank in range(2):
+        assert all("scale tile (128, 128) -> (64, 64) on this rank" in line for line in _load_lines(tp2, rank, 2))
+    assert all("scale tile (128, 128) -> (128, 128) on this rank" in line for line in _load_lines(tp1, 0, 1))
 
 
 def test_tp2_expert_parallel_matches_tp1(tp1, tiny_checkpoint, tmp_path_factory):

@@ -2,11 +2,17 @@
 
 ``import vllm_moe_w8`` is deliberately light: it imports neither vLLM nor torch. vLLM calls
 :func:`register` through the ``vllm.general_plugins`` entry point, once in every process it starts.
+
+The package is a house of rooms in the order the data flows (DEVELOPING.md draws it): ``codec`` (FP8 formats,
+repack, the checkpoint reader), ``vllm_glue`` (the quantization config and layer methods vLLM calls),
+``neuron_glue`` (the one room that imports AWS's Neuron packages), ``op`` (the ``moe_w8::fused_moe`` custom
+op and its CPU implementation), with ``kernels`` (NKI kernels) below, and beside them ``tools`` (the
+``vllm-moe-w8`` command) and ``tiny_models`` (the tiny-checkpoint writer the demo and tests use).
 """
 
-__version__ = "0.1.0"
+from vllm_moe_w8.about import QUANTIZATION_NAME, __version__
 
-QUANTIZATION_NAME = "neuron-w8"
+__all__ = ["QUANTIZATION_NAME", "__version__", "register"]
 
 _registered = False
 
@@ -16,7 +22,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm_moe_w8.vllm_plugin import register_with_vllm  # heavy imports stay inside
+    from vllm_moe_w8.vllm_glue.register import register_with_vllm  # heavy imports stay inside
 
     register_with_vllm()
     _registered = True

@@ -1,34 +1,41 @@
 """Cost model: a run's :class:`~.machine.Stats` -> estimated time on one NeuronCore-v3 (Trn2).
 
-Assumptions (stated, not measured; the first hardware run calibrates them):
+The constants live in :mod:`.calibration`, each with its source (AWS documentation, the published profile of
+the reference implementation, or "fitted" by :mod:`.calibrate`); the README's kernel-figures section lists them
+beside the published figures they reproduce. The rules:
 
-* HBM: a physical core's share of the chip's 2.9 TB/s (8 physical cores, LNC=1): 362.5 GB/s. A DMA
-  whose contiguous HBM runs are shorter than 512 B is charged as if each run moved 512 B (descriptor
-  efficiency); DMA fixed latency is assumed hidden by the 16 DMA queues.
-* TensorE at 2.4 GHz streams one moving column per cycle for bf16/fp16/fp8 operands (bf16 x fp8 runs at
-  the BF16 rate; FP8 double-row mode is not used); fp32/tf32 operands take 4 passes. An instruction
-  costs max(N, 64) cycles (64 = minimum initiation interval); loading the stationary operand is
-  assumed hidden behind the previous instruction. nc_transpose is a matmul with N = input partitions.
-* VectorE 0.96 GHz, ScalarE 1.2 GHz, GpSimdE 1.2 GHz (assumed equal to ScalarE): max(N, 64) cycles per
-  instruction with N the free elements per partition; scalar_tensor_tensor costs 2N on VectorE
-  (NKI ISA documentation).
-* Engines and DMA overlap perfectly (NKI schedules them concurrently given enough buffering):
-  ``time_s = max(hbm, tensor, vector, scalar, gpsimd)``. ``serial_s`` (their sum) is the bound with no
-  overlap at all. Kernel launch overhead is not modelled.
+* **DMA queues** (``dma_s``, Explorer's "DMA active time"): bytes at the effective DMA rate plus a fixed
+  cost per DMA instruction (``dma_copy``); small transfers are dominated by the fixed cost.
+  ``hbm_s`` is the plain HBM time (bytes at one physical core's share of 2.9 TB/s, runs shorter than 512 B
+  charged as 512 B) - the roofline, never above ``dma_s`` for the kernels here.
+* **GpSimdE** (``gpsimd_s``): its own instructions plus the software descriptor generation of every DMA
+  (``dge_s``): kernel-issued DMAs have their descriptors written by GpSimd.
+* **TensorE** at 2.4 GHz streams one moving column per cycle (bf16/fp8; fp32 takes 4 passes) plus a fixed
+  cost per matmul/transpose (issue, stationary load, PE-array fill and drain).
+* **VectorE / ScalarE / GpSimdE**: free elements per partition (2x for scalar_tensor_tensor), at least the
+  static per-instruction overhead (an instruction with little work costs the overhead; on wide instructions
+  AWS documents it as hidden). They share PSUM (they cannot access it in parallel) and the kernels here chain
+  them (PSUM evacuation on one feeds the other), so their times add.
+* **Overlap**: DMA queues, GpSimd, TensorE and the Vector+Scalar chain run concurrently:
+  ``time_s = max(dma, hbm, gpsimd, tensor, vector + scalar)``; ``serial_s`` is the no-overlap bound.
+* **Launch**: an eager call from PyTorch adds ``launch_s`` (host dispatch, not device time); a kernel inside a
+  compiled graph pays none. ``call_s = time_s + launch_s``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import calibration as cal
 from .machine import Stats
 
-HBM_BYTES_PER_S = 2.9e12 / 8
-DMA_EFFICIENT_RUN_BYTES = 512
-TENSOR_HZ = 2.4e9
-VECTOR_HZ = 0.96e9
-SCALAR_HZ = 1.2e9
-GPSIMD_HZ = 1.2e9
+# Backward-compatible names (the figures behind them are in calibration.py).
+HBM_BYTES_PER_S = cal.HBM_BYTES_PER_S.value
+DMA_EFFICIENT_RUN_BYTES = cal.DMA_EFFICIENT_RUN_BYTES.value
+TENSOR_HZ = cal.TENSOR_HZ.value
+VECTOR_HZ = cal.VECTOR_HZ.value
+SCALAR_HZ = cal.SCALAR_HZ.value
+GPSIMD_HZ = cal.GPSIMD_HZ.value
 MIN_II_CYCLES = 64
 FP32_MATMUL_PASSES = 4
 ENGINE_HZ = {"vector": VECTOR_HZ, "scalar": SCALAR_HZ, "gpsimd": GPSIMD_HZ}
@@ -41,22 +48,39 @@ class Estimate:
     vector_s: float
     scalar_s: float
     gpsimd_s: float
+    dma_s: float = 0.0  # DMA queue busy time (bytes + per-DMA fixed cost)
+    dge_s: float = 0.0  # part of gpsimd_s: descriptor generation for the DMAs
+    launch_s: float = 0.0  # eager launch overhead (host), not part of time_s
+    dma_count: int = 0
 
     @property
     def engines(self) -> dict[str, float]:
-        return {"hbm": self.hbm_s, "tensor": self.tensor_s, "vector": self.vector_s, "scalar": self.scalar_s, "gpsimd": self.gpsimd_s}
+        return {"hbm": self.hbm_s, "dma": self.dma_s, "tensor": self.tensor_s, "vector": self.vector_s,
+                "scalar": self.scalar_s, "gpsimd": self.gpsimd_s}
+
+    @property
+    def lanes(self) -> dict[str, float]:
+        """What runs concurrently: VectorE and ScalarE form one serial lane (shared PSUM port, chained work)."""
+        return {"hbm": self.hbm_s, "dma": self.dma_s, "tensor": self.tensor_s, "vector+scalar": self.vector_s + self.scalar_s,
+                "gpsimd": self.gpsimd_s}
 
     @property
     def time_s(self) -> float:
-        return max(self.engines.values())
+        """Modelled device time of the kernel."""
+        return max(self.lanes.values())
+
+    @property
+    def call_s(self) -> float:
+        """Modelled time of one eager call (device time + launch overhead)."""
+        return self.time_s + self.launch_s
 
     @property
     def serial_s(self) -> float:
-        return sum(self.engines.values())
+        return sum(v for k, v in self.engines.items() if k != "hbm")
 
     @property
     def bound_by(self) -> str:
-        return max(self.engines, key=self.engines.get)
+        return max(self.lanes, key=self.lanes.get)
 
 
 def _passes(dtype_name: str) -> int:
@@ -67,29 +91,40 @@ def hbm_seconds(stats: Stats) -> float:
     return sum(nbytes / min(1.0, run / DMA_EFFICIENT_RUN_BYTES) for run, nbytes in stats.dma_runs.items()) / HBM_BYTES_PER_S
 
 
-def tensor_cycles(stats: Stats) -> int:
-    cycles = 0
+def dma_seconds(stats: Stats, c: cal.Constants = cal.CALIBRATED) -> float:
+    nbytes = sum(stats.dma_runs.values())
+    return nbytes / c.dma_bytes_per_s + stats.dma_count * c.dma_fixed_s
+
+
+def tensor_cycles(stats: Stats, c: cal.Constants = cal.CALIBRATED) -> float:
+    cycles = 0.0
     for (_k, _m, n, st, mv), count in stats.matmuls.items():
-        cycles += count * max(n, MIN_II_CYCLES) * max(_passes(st), _passes(mv))
+        cycles += count * (n * max(_passes(st), _passes(mv)) + c.matmul_fixed_cycles)
     for (p, _f, dtype), count in stats.transposes.items():
-        cycles += count * max(p, MIN_II_CYCLES) * _passes(dtype)
+        cycles += count * (p * _passes(dtype) + c.matmul_fixed_cycles)
     return cycles
 
 
-def engine_cycles(stats: Stats, engine: str) -> int:
-    cycles = 0
+def engine_cycles(stats: Stats, engine: str, c: cal.Constants = cal.CALIBRATED) -> float:
+    cycles = 0.0
     for (eng, op, _p, free), count in stats.engine_ops.items():
         if eng == engine:
             work = 2 * free if op == "scalar_tensor_tensor" else free
-            cycles += count * max(work, MIN_II_CYCLES)
+            cycles += count * max(work, c.instruction_overhead_cycles)
     return cycles
 
 
-def estimate(stats: Stats) -> Estimate:
+def estimate(stats: Stats, c: cal.Constants = cal.CALIBRATED) -> Estimate:
+    """Modelled NeuronCore-v3 time of one kernel run (see the module docstring for the rules)."""
+    dge = stats.dma_count * c.dge_per_dma_s
     return Estimate(
         hbm_s=hbm_seconds(stats),
-        tensor_s=tensor_cycles(stats) / TENSOR_HZ,
-        vector_s=engine_cycles(stats, "vector") / VECTOR_HZ,
-        scalar_s=engine_cycles(stats, "scalar") / SCALAR_HZ,
-        gpsimd_s=engine_cycles(stats, "gpsimd") / GPSIMD_HZ,
+        tensor_s=tensor_cycles(stats, c) / TENSOR_HZ,
+        vector_s=engine_cycles(stats, "vector", c) / VECTOR_HZ,
+        scalar_s=engine_cycles(stats, "scalar", c) / SCALAR_HZ,
+        gpsimd_s=engine_cycles(stats, "gpsimd", c) / GPSIMD_HZ + dge,
+        dma_s=dma_seconds(stats, c),
+        dge_s=dge,
+        launch_s=c.launch_s,
+        dma_count=stats.dma_count,
     )

@@ -67,11 +67,24 @@ def _op(op, allowed, what: str):
     return op
 
 
+def _not_implemented(instruction: str, **given) -> None:
+    """Refuse NKI arguments the interpreter does not model when they are set to anything but their default
+    (``None``, ``False`` or an empty tuple): a kernel using them would compute something else on the device."""
+    for arg, value in given.items():
+        if value is not None and value is not False and value != ():
+            raise NkiValidationError(
+                f"{instruction}({arg}={value!r}) is not implemented by the interpreter; leave {arg} at its default "
+                "or implement it in kernels/nki_cpu/isa.py (the device would honour it, the interpreter cannot check it)"
+            )
+
+
 # --- data movement ----------------------------------------------------------------------------------
 
-def dma_copy(dst: Tensor, src: Tensor, **_ignored) -> None:
+def dma_copy(dst: Tensor, src: Tensor, dst_rmw_op=None, oob_mode=None, dge_mode=None, name=None) -> None:
     """Copy ``src`` to ``dst`` (HBM <-> SBUF, or on-chip). Shapes and dtypes must match: reinterpret
-    bytes with ``.view(dtype)``; DMA does not convert."""
+    bytes with ``.view(dtype)``; DMA does not convert. Read-modify-write, out-of-bounds and DGE modes are
+    not modelled (refused when set)."""
+    _not_implemented("dma_copy", dst_rmw_op=dst_rmw_op, oob_mode=oob_mode, dge_mode=dge_mode)
     for t, what in ((dst, "dma_copy dst"), (src, "dma_copy src")):
         if not isinstance(t, Tensor):
             raise NkiValidationError(f"{what} must be an NKI tensor")
@@ -133,7 +146,11 @@ def _psum_dst(dst: Tensor, what: str) -> None:
 
 def nc_matmul(dst: Tensor, stationary: Tensor, moving: Tensor, is_stationary_onezero=False, is_moving_onezero=False,
               is_transpose=False, accumulate=None, tile_position=(), tile_size=(), perf_mode=None, name=None) -> None:
-    """dst[M, N] (+)= stationary[K, M].T @ moving[K, N] on TensorE; K <= 128, M <= 128, N <= 512."""
+    """dst[M, N] (+)= stationary[K, M].T @ moving[K, N] on TensorE; K <= 128, M <= 128, N <= 512.
+
+    The one-zero hints, transposition, tile positioning and performance modes are not modelled (refused when set)."""
+    _not_implemented("nc_matmul", is_stationary_onezero=is_stationary_onezero, is_moving_onezero=is_moving_onezero,
+                     is_transpose=is_transpose, tile_position=tile_position, tile_size=tile_size, perf_mode=perf_mode)
     _need(stationary, "nc_matmul stationary", ("sbuf",))
     _need(moving, "nc_matmul moving", ("sbuf",))
     if stationary.ndim != 2 or moving.ndim != 2 or dst.ndim != 2:
@@ -189,12 +206,11 @@ def nc_transpose(dst: Tensor, data: Tensor, engine=engine.unknown, name=None) ->
 
 def activation(dst: Tensor, op, data: Tensor, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None, name=None) -> None:
     """dst = op(data * scale + bias) on ScalarE; scale: compile-time scalar or [P, 1] tile; bias: [P, 1] tile."""
+    _not_implemented("activation", reduce_op=reduce_op, reduce_res=reduce_res, reduce_cmd=reduce_cmd)
     _op(op, nl.ACTIVATIONS, "activation op")
     _need(data, "activation data")
     _need(dst, "activation dst")
     _same_shape(dst, data, "activation")
-    if reduce_op is not None or reduce_res is not None:
-        raise NkiValidationError("activation reductions are not modelled by the interpreter")
     x = read(data, "activation data") * _scalar(scale, data, "activation scale")
     if bias is not None:
         if not isinstance(bias, Tensor):
@@ -213,17 +229,30 @@ def _engine(eng, default="vector", allowed=("vector", "scalar", "gpsimd")) -> st
 
 def tensor_scalar(dst: Tensor, data: Tensor, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
                   engine=engine.unknown, name=None) -> None:  # noqa: A002
-    """dst = (data op0 operand0) op1 operand1; operands are scalars or [P, 1] tiles."""
+    """dst = (data op0 operand0) op1 operand1; operands are scalars or [P, 1] tiles.
+
+    GpSimdE runs tensor_scalar only for rsqrt (NKI API reference), which the interpreter does not model: any
+    tensor_scalar on gpsimd is refused. op1 and operand1 are given together or not at all."""
     eng = _engine(engine)
+    if eng == "gpsimd":
+        raise NkiValidationError(
+            f"tensor_scalar(engine=gpsimd) with op0={op0!r}: NKI allows GpSimdE for tensor_scalar only for rsqrt; "
+            "run this operator on the vector or scalar engine"
+        )
+    _op(op0, nl.MATH_OPS, "tensor_scalar op0")
+    if (op1 is None) != (operand1 is None):
+        raise NkiValidationError("tensor_scalar: op1 and operand1 must be given together (both None when unused)")
+    if op1 is not None:
+        _op(op1, nl.MATH_OPS, "tensor_scalar op1")
     _need(data, "tensor_scalar data")
     _need(dst, "tensor_scalar dst")
     _same_shape(dst, data, "tensor_scalar")
     x = read(data, "tensor_scalar data")
     a = _scalar(operand0, data, "tensor_scalar operand0")
-    x = _op(op0, nl.MATH_OPS, "op0")(a, x) if reverse0 else op0(x, a)
+    x = op0(a, x) if reverse0 else op0(x, a)
     if op1 is not None:
         b = _scalar(operand1, data, "tensor_scalar operand1")
-        x = _op(op1, nl.MATH_OPS, "op1")(b, x) if reverse1 else op1(x, b)
+        x = op1(b, x) if reverse1 else op1(x, b)
     write(dst, x)
     _count(eng, "tensor_scalar", data)
 
@@ -242,8 +271,11 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op, engine=engine.u
     _count(eng, "tensor_tensor", data1)
 
 
-def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0, operand0, op1, operand1: Tensor, reverse0=False, reverse1=False, name=None, **_ignored) -> None:
+def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0, operand0, op1, operand1: Tensor, reverse0=False, reverse1=False,
+                         name=None) -> None:
     """dst = (data op0 operand0) op1 operand1 on VectorE; operand0 scalar or [P, 1]; operand1 like data."""
+    _op(op0, nl.MATH_OPS, "scalar_tensor_tensor op0")
+    _op(op1, nl.MATH_OPS, "scalar_tensor_tensor op1")
     _need(data, "scalar_tensor_tensor data")
     _need(operand1, "scalar_tensor_tensor operand1")
     _need(dst, "scalar_tensor_tensor dst")
@@ -253,9 +285,9 @@ def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0, operand0, op1, operand1
         raise NkiValidationError("scalar_tensor_tensor: data and operand1 cannot both be in PSUM")
     x = read(data, "scalar_tensor_tensor data")
     a = _scalar(operand0, data, "scalar_tensor_tensor operand0")
-    x = _op(op0, nl.MATH_OPS, "op0")(a, x) if reverse0 else op0(x, a)
+    x = op0(a, x) if reverse0 else op0(x, a)
     y = read(operand1, "scalar_tensor_tensor operand1")
-    write(dst, _op(op1, nl.MATH_OPS, "op1")(y, x) if reverse1 else op1(x, y))
+    write(dst, op1(y, x) if reverse1 else op1(x, y))
     _count("vector", "scalar_tensor_tensor", data)
 
 

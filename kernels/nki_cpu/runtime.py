@@ -12,22 +12,35 @@ import torch
 
 from . import machine
 from .machine import Machine, NkiValidationError, Stats, Tensor
+from .subset import check_traced_subset
 
 
 class Kernel:
-    """A function marked ``@nki.jit``; calling it runs it in the interpreter."""
+    """A function marked ``@nki.jit``; calling it runs it in the interpreter. Its source is checked against
+    the traced-kernel Python subset (:mod:`.subset`) before its first run."""
 
     def __init__(self, fn):
         self.fn = fn
+        self.subset_checked = False
         functools.update_wrapper(self, fn)
+
+    def check(self) -> None:
+        if not self.subset_checked:
+            check_traced_subset(self.fn)
+            self.subset_checked = True
 
     def __call__(self, *args, **kwargs):
         return run(self, *args, **kwargs)[0]
 
 
-def jit(fn=None, **_options):
+def jit(fn=None, **options):
+    """``@jit`` / ``@jit()``. Compiler options (``mode``, ``platform_target``, ...) are not modelled: refused."""
+    if options:
+        raise NkiValidationError(
+            f"nki.jit options {sorted(options)} are not implemented by the interpreter; use a bare @nki.jit"
+        )
     if fn is None:
-        return lambda f: Kernel(f)
+        return Kernel
     return Kernel(fn)
 
 
@@ -53,7 +66,10 @@ def _as_output(value, what: str):
 
 def run(kernel, *args, **kwargs) -> tuple[object, Stats]:
     """Execute ``kernel`` (``@jit`` function) on numpy arrays; returns (outputs as numpy, Stats)."""
-    fn = kernel.fn if isinstance(kernel, Kernel) else kernel
+    if not isinstance(kernel, Kernel):
+        kernel = Kernel(kernel)
+    kernel.check()
+    fn = kernel.fn
     bound = inspect.signature(fn).bind(*args, **kwargs)
     inputs = {name: _as_input(v, name) for name, v in bound.arguments.items()}
     m = Machine()

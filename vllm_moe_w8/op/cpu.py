@@ -1,0 +1,281 @@
+"""The exact CPU implementation of the MoE op (``torch.ops.moe_w8.fused_moe``'s CPU body).
+
+``fused_moe_cpu`` computes ``out[t] = sum_j w[t, j] * W2_e (silu(W1_e x_t) * W3_e x_t)`` over the
+experts ``e = topk_ids[t, j] >= 0`` with every ``W`` the exactly dequantised weight (FP8 code x its
+tile's float32 scale, rounded once to float32 -- the same numbers as :func:`vllm_moe_w8.codec.fp8.dequantize`),
+in float32, returned in ``x``'s dtype. See DEVELOPING.md, "The MoE op", for the storage layout.
+
+Two implementations, the same numbers up to float32 summation order (both touch only the routed experts and group tokens by expert):
+
+* ``native`` (:mod:`vllm_moe_w8.op.native` picks the variant for this CPU and builds it at first use,
+  a few seconds of g++, cached per instruction set):
+  - ``avx512bf16``: each FP8 byte becomes its exact BF16 value by two byte-permute lookups; ``vdpbf16ps`` dot
+    products against the activations split into BF16 planes that sum to them exactly (one plane for BF16
+    inputs); each scale tile's partial sum is multiplied by its float32 scale.
+  - ``avx2``: FP8 byte -> float16 bits with one shift/and/add, float16 -> float32 with F16C, times the tile's
+    scale -- the same float32 weight as ``fp8.dequantize`` -- and FMA.
+  An expert routed to <= 8 tokens has each group of codes decoded in registers and used at once by all its
+  tokens (memory-bound, reads 1 byte per weight); more tokens (prefill): four rows are decoded into an
+  L1-resident panel that register tiles of (row, token) dot products reuse. One OpenMP region per call with
+  ``torch.get_num_threads()`` threads (torch's own libgomp). Codes must be finite in their format (repack and
+  the checkpoint validation guarantee it).
+* ``torch`` (the portable fallback): dequantises each routed expert once per call and uses torch
+  matmuls. Used where no native variant fits the CPU, the build fails, or the shapes are not covered.
+
+The implementation and instruction set that run are logged once per process (:func:`implementation` says
+which). ``VLLM_MOE_W8_CPU_ISA=avx512bf16|avx2|torch`` forces one (an ISA the CPU lacks is an error).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+
+import torch
+
+from vllm_moe_w8.codec import fp8
+
+logger = logging.getLogger("vllm.vllm_moe_w8.op.cpu")
+
+CODE_FORMATS = ("e4m3", "e4m3fn")
+ACTIVATIONS = ("silu",)
+_LOGGED: set[str] = set()
+
+
+def _log_once(key: str, msg: str, *args, level=logging.INFO) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.log(level, msg, *args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks (clear errors naming the tensor and the remedy)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation):
+    """Validate shapes/dtypes of the op's arguments; returns (T, H, I, E)."""
+    if code_format not in CODE_FORMATS:
+        raise ValueError(f"code_format={code_format!r} is not supported; expected one of {CODE_FORMATS}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported by the neuron-w8 MoE op; expected one of {ACTIVATIONS}")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be [T, H] bf16/fp16/fp32, got {tuple(x.shape)} {x.dtype}")
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        raise ValueError(f"w13/w2 must hold uint8 FP8 codes, got {w13.dtype}/{w2.dtype}; repack the experts with vllm_moe_w8.codec.fp8.repack")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    t, h = x.shape
+    e, two_i, h13 = w13.shape
+    if two_i % 2 or h13 != h or tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(
+            f"inconsistent expert shapes: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (expected [E, 2I, {h}]), "
+            f"w2 {tuple(w2.shape)} (expected [E, {h}, I])"
+        )
+    inter = two_i // 2
+    if block_n < 1 or block_k < 0:
+        raise ValueError(f"block_n must be >= 1 and block_k >= 0 (0: whole row), got ({block_n}, {block_k})")
+    g_i = math.ceil(inter / block_n)
+    g_h = 1 if block_k == 0 else math.ceil(h / block_k)
+    g_h2 = math.ceil(h / block_n)
+    g_i2 = 1 if block_k == 0 else math.ceil(inter / block_k)
+    if tuple(w13_scales.shape) != (e, 2 * g_i, g_h):
+        raise ValueError(f"w13_scales has shape {tuple(w13_scales.shape)}; expected {(e, 2 * g_i, g_h)} for I={inter}, H={h}, block=({block_n}, {block_k})")
+    if tuple(w2_scales.shape) != (e, g_h2, g_i2):
+        raise ValueError(f"w2_scales has shape {tuple(w2_scales.shape)}; expected {(e, g_h2, g_i2)} for H={h}, I={inter}, block=({block_n}, {block_k})")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={t}, k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    return t, h, inter, e
+
+
+def check_ids(topk_ids: torch.Tensor, e: int) -> None:
+    if topk_ids.numel() and int(topk_ids.max()) >= e:
+        raise ValueError(f"topk_ids holds expert id {int(topk_ids.max())} but only {e} local experts exist (ids must be local; -1 = not on this rank)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing: group (token, slot) pairs by expert
+# ----------------------------------------------------------------------------------------------
+
+
+def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """Routed pairs sorted by expert: (experts [n_e], counts [n_e], tokens [P], weights [P] fp32).
+
+    Pairs with id < 0 are dropped; duplicate routes stay separate pairs. Stable: within an expert
+    the pairs keep token order.
+    """
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long()
+    keep = (ids >= 0).nonzero().squeeze(1)
+    ids = ids[keep]
+    order = torch.argsort(ids, stable=True)
+    pair = keep[order]
+    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    tokens = pair // k
+    weights = topk_weights.reshape(-1).float()[pair]
+    return experts, counts, tokens, weights
+
+
+# ----------------------------------------------------------------------------------------------
+# The portable torch implementation
+# ----------------------------------------------------------------------------------------------
+
+
+def decode_codes(codes: torch.Tensor, code_format: str) -> torch.Tensor:
+    """uint8 FP8 codes -> float32 values (torch's float8_e4m3fn cast; e4m3's inf/NaN codes fixed up)."""
+    values = codes.view(torch.float8_e4m3fn).float()
+    if code_format == "e4m3":
+        mag = codes & 0x7F
+        special = mag >= fp8.FN_ONLY_MIN_MAG
+        if bool(special.any()):  # exponent 1111: inf (mantissa 0) or NaN in Trn2's e4m3
+            values = torch.where(special, fp8.decode(codes, "e4m3"), values)
+    return values
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int, code_format: str) -> torch.Tensor:
+    """[N, K] codes with their scale grid -> the exactly dequantised float32 [N, K] weight."""
+    return decode_codes(codes, code_format) * fp8.expand_scales(scales, tuple(codes.shape), (block_n, block_k))
+
+
+def _activate(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+    if swiglu_limit > 0:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(-swiglu_limit, swiglu_limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def fused_moe_torch(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
+                    activation="silu", swiglu_limit=0.0) -> torch.Tensor:
+    """Pure-torch exact implementation: each routed expert dequantised once per call, fp32 matmuls."""
+    t, h, inter, e = check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
+    check_ids(topk_ids, e)
+    g_i = math.ceil(inter / block_n)
+    out = torch.zeros(t, h, dtype=torch.float32)
+    experts, counts, tokens, weights = group_by_expert(topk_ids, topk_weights)
+    xf = x.float()
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        tok = tokens[start:start + n]
+        wt = weights[start:start + n]
+        start += n
+        gate = dequantize_rows(w13[e, :inter], w13_scales[e, :g_i], block_n, block_k, code_format)
+        up = dequantize_rows(w13[e, inter:], w13_scales[e, g_i:], block_n, block_k, code_format)
+        down = dequantize_rows(w2[e], w2_scales[e], block_n, block_k, code_format)
+        xe = xf.index_select(0, tok)
+        act = _activate(xe @ gate.T, xe @ up.T, swiglu_limit)
+        out.index_add_(0, tok, (act @ down.T) * wt[:, None])
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The native kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def native_available(isa: str | None = None) -> bool:
+    """Whether native variant ``isa`` (default: the selected one) builds and runs here (built on first call)."""
+    from vllm_moe_w8.op import native
+
+    return native.load(isa) is not None
+
+
+def native_supports(h: int, inter: int, block_k: int, isa: str = "avx2") -> bool:
+    """Shapes a native variant covers: H, I multiples of 16 (every real model); the scale tile's width a
+    multiple of 16 (avx2) or of 64 (avx512bf16, whose decode groups must not straddle tiles); 0 = whole rows."""
+    tile = 64 if isa == "avx512bf16" else 16
+    return h % 16 == 0 and inter % 16 == 0 and block_k % tile == 0
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+# bf16 planes of the activations that sum to them exactly: bf16 values are one plane, float16 two, float32 three.
+X_PLANES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
+                     activation="silu", swiglu_limit=0.0, isa: str | None = None) -> torch.Tensor:
+    """The native kernel, variant ``isa`` (default: the selected one); RuntimeError where it is unavailable."""
+    from vllm_moe_w8.op import native
+
+    t, h, inter, _ = check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
+    isa = isa or native.selected_isa()
+    lib = native.load(isa)
+    if lib is None:
+        raise RuntimeError(f"native CPU MoE kernel ({isa}) unavailable: {native.unavailable_reason(isa)}")
+    if not native_supports(h, inter, block_k, isa):
+        raise RuntimeError(f"native CPU MoE kernel ({isa}) does not cover H={h}, I={inter}, block_k={block_k} "
+                           "(H, I multiples of 16; block_k of 16 for avx2, of 64 for avx512bf16)")
+    out = torch.zeros(t, h, dtype=torch.float32)
+    if t == 0:
+        return out.to(x.dtype)
+    xf = x.float().contiguous()
+    ids = topk_ids.contiguous()
+    wts = topk_weights.float().contiguous()
+    w13c, w2c = w13.contiguous(), w2.contiguous()
+    s13, s2 = w13_scales.float().contiguous(), w2_scales.float().contiguous()
+    bad = ctypes.c_int64(0)
+    rc = lib.moe_w8_forward(
+        _ptr(xf), X_PLANES[x.dtype], t, h, inter, w13.shape[0], _ptr(w13c), _ptr(s13), _ptr(w2c), _ptr(s2),
+        _ptr(ids), int(ids.dtype == torch.int32), _ptr(wts), ids.shape[1],
+        block_n, block_k, float(swiglu_limit), torch.get_num_threads(), _ptr(out), ctypes.byref(bad),
+    )
+    if rc == 2:
+        raise ValueError(f"topk_ids holds expert id {bad.value} but only {w13.shape[0]} local experts exist (ids must be local; -1 = not on this rank)")
+    if rc != 0:
+        raise RuntimeError(f"native CPU MoE kernel ({isa}) rejected its arguments (code {rc})")
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch
+# ----------------------------------------------------------------------------------------------
+
+
+def implementation(h: int, inter: int, block_k: int) -> str:
+    """What :func:`fused_moe_cpu` runs for these shapes: ``native-avx512bf16``, ``native-avx2`` or ``torch``."""
+    from vllm_moe_w8.op import native
+
+    isa = native.selected_isa()
+    if isa == "torch":
+        return "torch"
+    candidates = [isa] + (["avx2"] if isa == "avx512bf16" and "avx2" in native.host_isas() else [])
+    for cand in candidates:
+        if native_supports(h, inter, block_k, cand) and native_available(cand):
+            return f"native-{cand}"
+    return "torch"
+
+
+def fused_moe_cpu(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
+                  activation="silu", swiglu_limit=0.0) -> torch.Tensor:
+    """The MoE op on CPU (see module docstring); returns [T, H] in ``x.dtype``."""
+    from vllm_moe_w8.op import native
+
+    args = (x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation, swiglu_limit)
+    h, inter = x.shape[-1], w2.shape[-1]
+    impl = implementation(h, inter, block_k)
+    if impl.startswith("native-"):
+        isa = impl.removeprefix("native-")
+        selected = native.selected_isa()
+        if isa != selected:
+            why = (f"shapes H={h} I={inter} block_k={block_k} not covered" if native_available(selected)
+                   else f"build unavailable: {native.unavailable_reason(selected)}")
+            _log_once(f"fallback:{selected}:{why}", "neuron-w8 CPU MoE: the %s kernel is not used (%s); %s runs instead",
+                      selected, why, isa, level=logging.WARNING)
+        _log_once(impl, "neuron-w8 CPU MoE: native kernel, instruction set %s (CPU flags: %s), %d threads", isa,
+                  " ".join(native.ISAS[isa].cpu_flags), torch.get_num_threads())
+        return fused_moe_native(*args, isa=isa)
+    selected = native.selected_isa()
+    if selected == "torch":
+        why = native.unavailable_reason("torch")
+    elif native_supports(h, inter, block_k, selected) or not native_available(selected):
+        why = f"{selected} build unavailable: {native.unavailable_reason(selected)}"
+    else:
+        why = f"shapes H={h} I={inter} block_k={block_k} not covered by the {selected} kernel"
+    _log_once(f"torch:{why}", "neuron-w8 CPU MoE: torch implementation (exact, dequantises each routed expert per call); "
+              "native kernel unavailable: %s", why, level=logging.WARNING)
+    return fused_moe_torch(*args)
