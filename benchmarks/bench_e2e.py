@@ -12,10 +12,12 @@ served in its own process, one after the other:
 Reported: start-up (``LLM(...)`` wall time) and the plugin's own repack seconds, routed-expert bytes
 resident (from the plugin's summary line; the twin's from its tensors), the process tree's RSS after
 load, and generation tokens/s at batch 1, 8, 32 (greedy, ``ignore_eos``, --max-tokens new tokens per
-sequence). Table on stdout, JSON in benchmarks/results/bench_e2e.json.
+sequence); the variants alternate over ``--repeats`` rounds and medians are reported. The goal -- neuron-w8 at least the twin's tokens/s at every batch -- is evaluated and recorded.
+Table on stdout, JSON (with CPU model, ISA flags, load average) in ``benchmarks/results/e2e-<isa>.json``, named by
+the instruction set of the native CPU MoE kernel that served (``--isa`` forces one).
 
-    .venv/bin/python benchmarks/bench_e2e.py                      # ~10 min on 2 cores
-    .venv/bin/python benchmarks/bench_e2e.py --layers 2 --batches 1 8 --max-tokens 16
+    .venv/bin/python -m benchmarks.bench_e2e                      # ~10 min on 2 cores
+    .venv/bin/python -m benchmarks.bench_e2e --layers 2 --batches 1 8 --max-tokens 16
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+GOAL_VS_TWIN = 1.0  # neuron-w8 tokens/s / the BF16 twin's, at every batch
 
 RUNNER = textwrap.dedent(
     """
@@ -124,9 +127,16 @@ def run_variant(name: str, model: Path, a, tmp: Path) -> dict:
     else:
         res["expert_bytes"] = expert_bytes_in(model)
         res["repack_s"] = 0.0
-    impl = re.search(r"neuron-w8 CPU MoE: ([a-z]+) (kernel|implementation)", log)
-    res["w8_cpu_impl"] = impl.group(1) if impl else None
+    native = re.search(r"neuron-w8 CPU MoE: native kernel, instruction set (\w+)", log)
+    fallback = re.search(r"neuron-w8 CPU MoE: torch implementation", log)
+    res["w8_cpu_impl"] = f"native-{native.group(1)}" if native else ("torch" if fallback else None)
     return res
+
+
+def median_of(runs: list[dict], batches: list[int]) -> dict:
+    """Median start-up and tokens/s per batch over rounds of one variant."""
+    return {"startup_s": statistics.median(r["startup_s"] for r in runs),
+            "tokens_per_s": {str(b): statistics.median(r["tokens_per_s"][str(b)] for r in runs) for b in batches}}
 
 
 def main(argv=None):
@@ -142,15 +152,21 @@ def main(argv=None):
     ap.add_argument("--kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GB)")
     ap.add_argument("--compile", action="store_true", help="vLLM's default torch.compile instead of enforce_eager")
     ap.add_argument("--variants", nargs="+", default=["w8", "w8-conv", "bf16-twin"])
-    ap.add_argument("--out", type=Path, default=RESULTS / "bench_e2e.json")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of all variants, alternating; medians reported")
+    ap.add_argument("--isa", default="auto", help="VLLM_MOE_W8_CPU_ISA for the served w8 variants")
     a = ap.parse_args(argv)
+    os.environ["VLLM_MOE_W8_CPU_ISA"] = a.isa
     a.dir.mkdir(parents=True, exist_ok=True)
     models = make_models(a.dir, a)
     results = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "variants": {}}
-    for name in a.variants:
-        print(f"running {name} ...", flush=True)
-        results["variants"][name] = run_variant(name, models[name], a, a.dir)
-        print(f"  {name}: {json.dumps(results['variants'][name])}", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in a.variants}
+    for rep in range(a.repeats):  # variants alternate (order reversed every other round): load drift hits all alike
+        for name in (a.variants if rep % 2 == 0 else a.variants[::-1]):
+            print(f"running {name} (round {rep + 1}/{a.repeats}) ...", flush=True)
+            runs[name].append(run_variant(name, models[name], a, a.dir))
+            print(f"  {name}: {json.dumps(runs[name][-1])}", flush=True)
+    for name, rs in runs.items():
+        results["variants"][name] = {**rs[-1], **median_of(rs, a.batches), "runs": rs}
     v = results["variants"]
     base = v.get("bf16-twin")
     print(f"\nmodel: Qwen3-MoE layout, {a.layers} layers, H {a.hidden}, I {a.inter}, E {a.experts}, top-{a.top_k}; "
@@ -171,10 +187,18 @@ def main(argv=None):
         w8 = v["w8"]
         print(f"repack share of w8 start-up: {w8['repack_s'] / w8['startup_s']:.1%}; "
               f"w8 start-up / twin start-up: {w8['startup_s'] / base['startup_s']:.2f}")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {a.out}")
+    if base:
+        for name, r in v.items():
+            if name != "bf16-twin":
+                r["vs_twin"] = {b: r["tokens_per_s"][str(b)] / base["tokens_per_s"][str(b)] for b in a.batches}
+                r["goal_met"] = {b: ratio >= GOAL_VS_TWIN for b, ratio in r["vs_twin"].items()}
+                r["expert_bytes_vs_twin"] = r["expert_bytes"] / base["expert_bytes"]
+    impls = {r.get("w8_cpu_impl") for name, r in v.items() if name != "bf16-twin"} - {None}
+    isa = impls.pop().removeprefix("native-") if len(impls) == 1 else "mixed"
+    forced = a.isa != "auto"
+    from benchmarks.common import write_json
 
+    write_json(f"e2e-{isa}{'-forced' if forced else ''}", {**results, "goal_vs_twin": GOAL_VS_TWIN, "forced": forced})
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,9 @@
 """The CPU MoE op (vllm_moe_w8.op.cpu) against the float64 reference MoE over exactly dequantised weights.
 
-Every implementation (the portable torch path and, where it builds, the native kernel) must give the
-reference's numbers up to float32 rounding, for every scale layout the op accepts.
+Every implementation (the portable torch path and every native variant this CPU can run -- on an AVX-512 BF16
+host both ``avx512bf16`` and ``avx2``) must give the reference's numbers up to float32 rounding, for every scale
+layout the op accepts. A native variant the host's flags allow is always parametrised: if its build breaks,
+these tests fail rather than skip.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import math
 import pytest
 import torch
 
-from vllm_moe_w8.op import cpu as cpu_moe
 from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.op import cpu as cpu_moe
+from vllm_moe_w8.op import native as cpu_moe_native
 from vllm_moe_w8.op.reference import reference_moe
 
 # float32 compute (products of exactly dequantised weights, sums of <= a few thousand terms, two
@@ -21,12 +24,14 @@ FP32_REL_TOL = 2e-5
 # bf16/fp16 outputs additionally carry one rounding of each element to the output dtype.
 HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
-IMPLEMENTATIONS = ["torch"] + (["native"] if cpu_moe.native_available() else [])
+HOST_ISAS = cpu_moe_native.host_isas()
+IMPLEMENTATIONS = ["torch"] + [f"native-{isa}" for isa in HOST_ISAS]
 
 
 def _run(impl, *args, **kwargs):
-    fn = cpu_moe.fused_moe_torch if impl == "torch" else cpu_moe.fused_moe_native
-    return fn(*args, **kwargs)
+    if impl == "torch":
+        return cpu_moe.fused_moe_torch(*args, **kwargs)
+    return cpu_moe.fused_moe_native(*args, isa=impl.removeprefix("native-"), **kwargs)
 
 
 def random_codes(shape, code_format, gen):
@@ -178,25 +183,25 @@ def test_bad_arguments_are_named():
 
 @pytest.fixture
 def fresh_native(monkeypatch):
-    """cpu_moe_native with its load state reset (restored afterwards)."""
-    from vllm_moe_w8.op import native as cpu_moe_native
-
-    monkeypatch.setattr(cpu_moe_native, "_lib", None)
-    monkeypatch.setattr(cpu_moe_native, "_reason", None)
-    monkeypatch.setattr(cpu_moe_native, "_tried", False)
+    """cpu_moe_native with its load state reset (and reset again afterwards)."""
+    cpu_moe_native.reset()
     monkeypatch.setattr(cpu_moe, "_LOGGED", set())
-    return cpu_moe_native
+    monkeypatch.delenv(cpu_moe_native.ENV_ISA, raising=False)
+    monkeypatch.delenv("VLLM_MOE_W8_NATIVE", raising=False)
+    yield cpu_moe_native
+    cpu_moe_native.reset()
 
 
-@pytest.mark.parametrize("how", ["disabled", "compiler fails"])
+@pytest.mark.parametrize("how", ["disabled", "forced torch", "compiler fails"])
 def test_falls_back_to_torch_and_says_why(fresh_native, monkeypatch, caplog, how):
     if how == "disabled":
         monkeypatch.setenv("VLLM_MOE_W8_NATIVE", "0")
+    elif how == "forced torch":
+        monkeypatch.setenv(cpu_moe_native.ENV_ISA, "torch")
     else:
         monkeypatch.setenv("CXX", "/bin/false")  # part of the cache key: no cached build matches, the build fails
-    assert not cpu_moe.native_available()
-    reason = fresh_native.unavailable_reason()
-    assert reason and ("VLLM_MOE_W8_NATIVE=0" in reason if how == "disabled" else "failed" in reason)
+    assert cpu_moe.implementation(128, 64, 64) == "torch"
+    expected = {"disabled": "VLLM_MOE_W8_NATIVE=0", "forced torch": "VLLM_MOE_W8_CPU_ISA=torch", "compiler fails": "failed"}[how]
     e, h, inter = 4, 128, 64
     w13, w13_s, w2, w2_s = make_experts(e, h, inter, (64, 64), "e4m3")
     gen = torch.Generator().manual_seed(5)
@@ -205,15 +210,102 @@ def test_falls_back_to_torch_and_says_why(fresh_native, monkeypatch, caplog, how
     with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
         out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
     assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 64, 64, "e4m3")
-    assert any("torch implementation" in r.getMessage() and "unavailable" in r.getMessage() for r in caplog.records)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("torch implementation" in m and "unavailable" in m and (expected in m or how == "compiler fails" and not HOST_ISAS)
+               for m in messages), messages
 
 
-@pytest.mark.skipif("native" not in IMPLEMENTATIONS, reason="native kernel unavailable here")
-def test_native_build_is_cached_and_logged(fresh_native, caplog):
-    first = fresh_native.build()
-    assert first.exists() and fresh_native.build() == first  # second call: the cached file, no rebuild
-    assert cpu_moe.native_available()
+@pytest.mark.skipif(not HOST_ISAS, reason="no native variant fits this CPU (the torch path is the implementation here)")
+def test_no_silent_fallback_on_a_supported_host(fresh_native, monkeypatch, caplog):
+    """On a host whose flags a native variant supports, the op must run that variant: a broken build or
+    dispatch fails here instead of quietly serving the (slower) torch path."""
+    best = HOST_ISAS[0]
+    assert cpu_moe_native.selected_isa() == best
+    assert cpu_moe.implementation(2048, 512, 128) == f"native-{best}", cpu_moe_native.unavailable_reason(best)
+
+    def torch_path_called(*args, **kwargs):
+        raise AssertionError("fused_moe_cpu fell back to the torch path on a host the native kernel supports")
+
+    monkeypatch.setattr(cpu_moe, "fused_moe_torch", torch_path_called)
+    w13, w13_s, w2, w2_s = make_experts(4, 256, 128, (128, 128), "e4m3", seed=2)
+    gen = torch.Generator().manual_seed(9)
+    ids, wts = make_routing(5, 2, 4, gen)
+    x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
+        out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+    assert any("native kernel" in r.getMessage() and f"instruction set {best}" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_forced_isa_is_used_built_once_and_logged(fresh_native, monkeypatch, caplog, isa):
+    monkeypatch.setenv(cpu_moe_native.ENV_ISA, isa)
+    first = fresh_native.build(isa)
+    assert first.exists() and fresh_native.build(isa) == first  # second call: the cached file, no rebuild
+    assert isa in first.name  # cached per instruction set
+    assert cpu_moe.implementation(128, 64, 64) == f"native-{isa}"
     w13, w13_s, w2, w2_s = make_experts(2, 128, 64, (64, 64), "e4m3")
     with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
         cpu_moe.fused_moe_cpu(torch.randn(1, 128), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int64), w13, w13_s, w2, w2_s, 64, 64, "e4m3")
-    assert any("native kernel" in r.getMessage() for r in caplog.records)
+    assert any(f"instruction set {isa}" in r.getMessage() for r in caplog.records)
+
+
+def test_forcing_an_isa_the_cpu_lacks_is_an_error(fresh_native, monkeypatch):
+    monkeypatch.setenv(cpu_moe_native.ENV_ISA, "avx512bf16")
+    monkeypatch.setattr(cpu_moe_native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    with pytest.raises(RuntimeError, match="lacks avx512f"):
+        cpu_moe_native.selected_isa()
+    monkeypatch.setenv(cpu_moe_native.ENV_ISA, "sse9")
+    with pytest.raises(ValueError, match="VLLM_MOE_W8_CPU_ISA"):
+        cpu_moe_native.selected_isa()
+
+
+def test_avx2_only_host_picks_avx2(fresh_native, monkeypatch):
+    """The automatic choice follows the CPU's flags: an AVX2-only machine of this kind gets the AVX2 variant."""
+    monkeypatch.setattr(cpu_moe_native, "is_x86_64_linux", lambda: True)
+    monkeypatch.setattr(cpu_moe_native, "cpu_flags", lambda: {"avx2", "fma", "f16c", "sse4_2"})
+    assert cpu_moe_native.selected_isa() == "avx2"
+    monkeypatch.setattr(cpu_moe_native, "cpu_flags", lambda: {"sse4_2"})
+    assert cpu_moe_native.selected_isa() == "torch"
+    assert "CPU lacks" in cpu_moe_native.unavailable_reason("torch")
+
+
+@pytest.mark.parametrize("fault", ["scale tile doubled", "one code flipped", "fp32 inputs rounded to bf16"])
+def test_reference_gate_catches_realistic_faults(fault):
+    """The tolerance above is tight enough to fail on the smallest realistic fault: one expert's scale tile
+    doubled, one FP8 code's lowest mantissa bit flipped, or float32 activations rounded to one bf16 plane
+    (what the avx512bf16 variant would compute if it dropped the residual planes)."""
+    e, h, inter, k, t = 4, 256, 128, 2, 5
+    w13, w13_s, w2, w2_s = make_experts(e, h, inter, (128, 128), "e4m3", seed=21)
+    gen = torch.Generator().manual_seed(22)
+    ids, wts = make_routing(t, k, e, gen)
+    x = torch.randn((t, h), generator=gen)
+    expert = int(ids[0, 0])
+    bad13, bad13_s, x_run = w13.clone(), w13_s.clone(), x
+    if fault == "scale tile doubled":
+        bad13_s[expert, 0, 0] *= 2
+    elif fault == "one code flipped":  # the lowest mantissa bit of the gate code that weighs most in token 0's output
+        gate = cpu_moe.dequantize_rows(w13[expert, :inter], w13_s[expert, :1], 128, 128, "e4m3")
+        row = int((x[0] @ gate.T).abs().argmax())
+        col = int((gate[row] * x[0]).abs().argmax())
+        bad13[expert, row, col] ^= 1
+    else:
+        x_run = x.bfloat16().float()
+    out = cpu_moe.fused_moe_cpu(x_run, wts, ids, bad13, bad13_s, w2, w2_s, 128, 128, "e4m3")
+    with pytest.raises(AssertionError, match="exceeds tolerance"):
+        assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+
+
+@pytest.mark.skipif(HOST_ISAS[:2] != ["avx512bf16", "avx2"], reason="needs a host that runs both native variants")
+def test_tile_width_outside_avx512_groups_uses_avx2_and_says_so(fresh_native, caplog):
+    """block_k = 32 cannot be served by 64-code decode groups: the AVX2 variant runs, the log says why."""
+    assert cpu_moe.implementation(256, 128, 32) == "native-avx2"
+    w13, w13_s, w2, w2_s = make_experts(3, 256, 128, (32, 32), "e4m3", seed=4)
+    gen = torch.Generator().manual_seed(6)
+    ids, wts = make_routing(4, 2, 3, gen)
+    x = torch.randn(4, 256, generator=gen).to(torch.bfloat16)
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
+        out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 32, 32, "e4m3")
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 32, 32, "e4m3")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("avx512bf16 kernel is not used" in m and "not covered" in m for m in messages), messages

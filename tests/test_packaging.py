@@ -53,11 +53,13 @@ def test_wheel_ships_kernels_and_configs(wheel):
 
 
 def test_wheel_ships_every_sub_package_and_the_native_kernel_source(wheel):
-    """Every module of every sub-package (a room missing from pyproject's `packages` would be absent) and csrc/*.cpp."""
+    """Every module of every sub-package (a room missing from pyproject's `packages` would be absent) and every native
+    kernel source and header in csrc/ (a header missing from package-data breaks the build at first use)."""
     names = set(zipfile.ZipFile(wheel).namelist())
     package = ROOT / "vllm_moe_w8"
-    sources = [p for p in package.rglob("*") if p.is_file() and p.suffix in (".py", ".cpp") and "__pycache__" not in p.parts]
+    sources = [p for p in package.rglob("*") if p.is_file() and p.suffix in (".py", ".cpp", ".h") and "__pycache__" not in p.parts]
     assert any(p.suffix == ".cpp" for p in sources), "the native kernel source is missing from the tree"
+    assert any(p.suffix == ".h" for p in sources), "the native kernel header is missing from the tree"
     for p in sources:
         assert f"vllm_moe_w8/{p.relative_to(package).as_posix()}" in names, f"{p} is not in the wheel"
 

@@ -7,17 +7,23 @@ in float32, returned in ``x``'s dtype. See DEVELOPING.md, "The MoE op", for the 
 
 Two implementations, the same numbers up to float32 summation order (both touch only the routed experts and group tokens by expert):
 
-* ``native`` (:mod:`vllm_moe_w8.op.native` builds ``csrc/cpu_moe_kernel.cpp`` at first use, ~5 s
-  of g++, cached): FP8 byte -> float16 bits with one shift/and/add, float16 -> float32 with F16C, times
-  the tile's scale -- the same float32 weight as ``fp8.dequantize``. An expert routed to <= 8 tokens has
-  each 16 codes decoded in registers and used at once by all its tokens (decode-bound, reads 1 byte per
-  weight); more tokens: a 4-row panel is decoded into L1 and reused by 4x3 register tiles. AVX2 + FMA +
-  F16C, one OpenMP region per call with ``torch.get_num_threads()`` threads (torch's own libgomp).
-  Codes must be finite in their format (repack and the checkpoint validation guarantee it).
+* ``native`` (:mod:`vllm_moe_w8.op.native` picks the variant for this CPU and builds it at first use,
+  a few seconds of g++, cached per instruction set):
+  - ``avx512bf16``: each FP8 byte becomes its exact BF16 value by two byte-permute lookups; ``vdpbf16ps`` dot
+    products against the activations split into BF16 planes that sum to them exactly (one plane for BF16
+    inputs); each scale tile's partial sum is multiplied by its float32 scale.
+  - ``avx2``: FP8 byte -> float16 bits with one shift/and/add, float16 -> float32 with F16C, times the tile's
+    scale -- the same float32 weight as ``fp8.dequantize`` -- and FMA.
+  An expert routed to <= 8 tokens has each group of codes decoded in registers and used at once by all its
+  tokens (memory-bound, reads 1 byte per weight); more tokens (prefill): four rows are decoded into an
+  L1-resident panel that register tiles of (row, token) dot products reuse. One OpenMP region per call with
+  ``torch.get_num_threads()`` threads (torch's own libgomp). Codes must be finite in their format (repack and
+  the checkpoint validation guarantee it).
 * ``torch`` (the portable fallback): dequantises each routed expert once per call and uses torch
-  matmuls. Used where the native kernel cannot be built or does not cover the shapes.
+  matmuls. Used where no native variant fits the CPU, the build fails, or the shapes are not covered.
 
-The implementation that ran is logged once per process. ``VLLM_MOE_W8_NATIVE=0`` forces the torch path.
+The implementation and instruction set that run are logged once per process (:func:`implementation` says
+which). ``VLLM_MOE_W8_CPU_ISA=avx512bf16|avx2|torch`` forces one (an ISA the CPU lacks is an error).
 """
 
 from __future__ import annotations
@@ -169,33 +175,41 @@ def fused_moe_torch(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, b
 # ----------------------------------------------------------------------------------------------
 
 
-def native_available() -> bool:
-    """Whether the native kernel builds and runs on this machine (built on first call)."""
+def native_available(isa: str | None = None) -> bool:
+    """Whether native variant ``isa`` (default: the selected one) builds and runs here (built on first call)."""
     from vllm_moe_w8.op import native
 
-    return native.load() is not None
+    return native.load(isa) is not None
 
 
-def native_supports(h: int, inter: int, block_k: int) -> bool:
-    """Shapes the native kernel covers: H, I and the tile width multiples of 16 (every real model)."""
-    return h % 16 == 0 and inter % 16 == 0 and block_k % 16 == 0
+def native_supports(h: int, inter: int, block_k: int, isa: str = "avx2") -> bool:
+    """Shapes a native variant covers: H, I multiples of 16 (every real model); the scale tile's width a
+    multiple of 16 (avx2) or of 64 (avx512bf16, whose decode groups must not straddle tiles); 0 = whole rows."""
+    tile = 64 if isa == "avx512bf16" else 16
+    return h % 16 == 0 and inter % 16 == 0 and block_k % tile == 0
 
 
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+# bf16 planes of the activations that sum to them exactly: bf16 values are one plane, float16 two, float32 three.
+X_PLANES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
 def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
-                     activation="silu", swiglu_limit=0.0) -> torch.Tensor:
-    """The native kernel (see module docstring); raises RuntimeError where it is unavailable."""
+                     activation="silu", swiglu_limit=0.0, isa: str | None = None) -> torch.Tensor:
+    """The native kernel, variant ``isa`` (default: the selected one); RuntimeError where it is unavailable."""
     from vllm_moe_w8.op import native
 
     t, h, inter, _ = check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
-    lib = native.load()
+    isa = isa or native.selected_isa()
+    lib = native.load(isa)
     if lib is None:
-        raise RuntimeError(f"native CPU MoE kernel unavailable: {native.unavailable_reason()}")
-    if not native_supports(h, inter, block_k):
-        raise RuntimeError(f"native CPU MoE kernel needs H, I and block_k multiples of 16 (H={h}, I={inter}, block_k={block_k})")
+        raise RuntimeError(f"native CPU MoE kernel ({isa}) unavailable: {native.unavailable_reason(isa)}")
+    if not native_supports(h, inter, block_k, isa):
+        raise RuntimeError(f"native CPU MoE kernel ({isa}) does not cover H={h}, I={inter}, block_k={block_k} "
+                           "(H, I multiples of 16; block_k of 16 for avx2, of 64 for avx512bf16)")
     out = torch.zeros(t, h, dtype=torch.float32)
     if t == 0:
         return out.to(x.dtype)
@@ -204,17 +218,16 @@ def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, 
     wts = topk_weights.float().contiguous()
     w13c, w2c = w13.contiguous(), w2.contiguous()
     s13, s2 = w13_scales.float().contiguous(), w2_scales.float().contiguous()
-    scratch = torch.empty(ids.numel(), inter, dtype=torch.float32)
     bad = ctypes.c_int64(0)
     rc = lib.moe_w8_forward(
-        _ptr(xf), t, h, inter, w13.shape[0], _ptr(w13c), _ptr(s13), _ptr(w2c), _ptr(s2),
+        _ptr(xf), X_PLANES[x.dtype], t, h, inter, w13.shape[0], _ptr(w13c), _ptr(s13), _ptr(w2c), _ptr(s2),
         _ptr(ids), int(ids.dtype == torch.int32), _ptr(wts), ids.shape[1],
-        block_n, block_k, float(swiglu_limit), torch.get_num_threads(), _ptr(scratch), _ptr(out), ctypes.byref(bad),
+        block_n, block_k, float(swiglu_limit), torch.get_num_threads(), _ptr(out), ctypes.byref(bad),
     )
     if rc == 2:
         raise ValueError(f"topk_ids holds expert id {bad.value} but only {w13.shape[0]} local experts exist (ids must be local; -1 = not on this rank)")
     if rc != 0:
-        raise RuntimeError(f"native CPU MoE kernel rejected its arguments (code {rc})")
+        raise RuntimeError(f"native CPU MoE kernel ({isa}) rejected its arguments (code {rc})")
     return out.to(x.dtype)
 
 
@@ -223,20 +236,46 @@ def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, 
 # ----------------------------------------------------------------------------------------------
 
 
+def implementation(h: int, inter: int, block_k: int) -> str:
+    """What :func:`fused_moe_cpu` runs for these shapes: ``native-avx512bf16``, ``native-avx2`` or ``torch``."""
+    from vllm_moe_w8.op import native
+
+    isa = native.selected_isa()
+    if isa == "torch":
+        return "torch"
+    candidates = [isa] + (["avx2"] if isa == "avx512bf16" and "avx2" in native.host_isas() else [])
+    for cand in candidates:
+        if native_supports(h, inter, block_k, cand) and native_available(cand):
+            return f"native-{cand}"
+    return "torch"
+
+
 def fused_moe_cpu(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
                   activation="silu", swiglu_limit=0.0) -> torch.Tensor:
     """The MoE op on CPU (see module docstring); returns [T, H] in ``x.dtype``."""
-    args = (x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation, swiglu_limit)
-    if native_available():
-        if native_supports(x.shape[-1], w2.shape[-1], block_k):
-            _log_once("native", "neuron-w8 CPU MoE: native kernel (1-byte experts decoded in cache-sized panels, fp32 FMA, %d threads)",
-                      torch.get_num_threads())
-            return fused_moe_native(*args)
-        _log_once("native-shape", "neuron-w8 CPU MoE: shapes H=%d I=%d block_k=%d not covered by the native kernel; torch implementation",
-                  x.shape[-1], w2.shape[-1], block_k, level=logging.WARNING)
-    else:
-        from vllm_moe_w8.op import native
+    from vllm_moe_w8.op import native
 
-        _log_once("torch", "neuron-w8 CPU MoE: torch implementation (exact, dequantises each routed expert per call); native kernel unavailable: %s",
-                  native.unavailable_reason(), level=logging.WARNING)
+    args = (x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation, swiglu_limit)
+    h, inter = x.shape[-1], w2.shape[-1]
+    impl = implementation(h, inter, block_k)
+    if impl.startswith("native-"):
+        isa = impl.removeprefix("native-")
+        selected = native.selected_isa()
+        if isa != selected:
+            why = (f"shapes H={h} I={inter} block_k={block_k} not covered" if native_available(selected)
+                   else f"build unavailable: {native.unavailable_reason(selected)}")
+            _log_once(f"fallback:{selected}:{why}", "neuron-w8 CPU MoE: the %s kernel is not used (%s); %s runs instead",
+                      selected, why, isa, level=logging.WARNING)
+        _log_once(impl, "neuron-w8 CPU MoE: native kernel, instruction set %s (CPU flags: %s), %d threads", isa,
+                  " ".join(native.ISAS[isa].cpu_flags), torch.get_num_threads())
+        return fused_moe_native(*args, isa=isa)
+    selected = native.selected_isa()
+    if selected == "torch":
+        why = native.unavailable_reason("torch")
+    elif native_supports(h, inter, block_k, selected) or not native_available(selected):
+        why = f"{selected} build unavailable: {native.unavailable_reason(selected)}"
+    else:
+        why = f"shapes H={h} I={inter} block_k={block_k} not covered by the {selected} kernel"
+    _log_once(f"torch:{why}", "neuron-w8 CPU MoE: torch implementation (exact, dequantises each routed expert per call); "
+              "native kernel unavailable: %s", why, level=logging.WARNING)
     return fused_moe_torch(*args)

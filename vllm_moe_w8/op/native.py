@@ -1,49 +1,122 @@
-"""Build (once, cached) and call the native CPU MoE kernel ``csrc/cpu_moe_kernel.cpp``.
+"""Choose, build (once per instruction set, cached) and load the native CPU MoE kernel in ``csrc/``.
 
-The kernel is a plain C++ shared library (no torch headers: it builds in about a second with g++),
-loaded with ctypes; its OpenMP threads come from the libgomp torch already loaded. It is compiled
-at first use into ``$TORCH_EXTENSIONS_DIR/vllm_moe_w8`` (default ``~/.cache/torch_extensions``),
-keyed by a hash of the source and flags, and written atomically so concurrent workers can race safely.
+Two variants of the same kernel, one per instruction-set level (:data:`ISAS`):
 
-:func:`load` returns ``None`` (and says why, via :func:`unavailable_reason`) when the CPU lacks
-AVX2/FMA/F16C, no C++ compiler is found, the build fails, or ``VLLM_MOE_W8_NATIVE=0`` is set; the
-caller then uses the portable torch path.
+* ``avx512bf16`` -- ``csrc/moe_avx512bf16.cpp``: E4M3 bytes decoded to BF16 by byte-permute lookups,
+  ``vdpbf16ps`` dot products (AVX-512 F/BW/VBMI + AVX512_BF16);
+* ``avx2`` -- ``csrc/moe_avx2.cpp``: E4M3 bytes decoded to float32 through F16C, FMA (AVX2 + FMA + F16C).
+
+:func:`selected_isa` picks the best variant this CPU's flags allow, or the one forced by
+``VLLM_MOE_W8_CPU_ISA`` (``avx512bf16``, ``avx2``, ``torch`` for the portable torch path, ``auto``); forcing a
+variant the CPU cannot run is an error naming the missing flags. ``VLLM_MOE_W8_NATIVE=0`` means ``torch``.
+
+Each variant is a plain C++ shared library (no torch headers) loaded with ctypes; its OpenMP threads come
+from the libgomp torch already loaded. It is compiled at first use into ``$TORCH_EXTENSIONS_DIR/vllm_moe_w8``
+(default ``~/.cache/torch_extensions``), keyed by a hash of the sources, flags and compiler, written
+atomically so concurrent workers can race safely. :func:`load` returns ``None`` (and says why, via
+:func:`unavailable_reason`) when no variant fits the CPU, no C++ compiler is found or the build fails; the
+caller then uses the portable torch path and logs the reason.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_moe_kernel.cpp"
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fno-math-errno"]
-REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-
-_lib = None
-_reason: str | None = None
-_tried = False
+CSRC = Path(__file__).with_name("csrc")
+COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno"]
+ENV_ISA = "VLLM_MOE_W8_CPU_ISA"
 
 
-def unavailable_reason() -> str | None:
-    """Why :func:`load` returned None (None if it loaded or was not tried)."""
-    return _reason
+@dataclass(frozen=True)
+class Isa:
+    name: str
+    source: str
+    cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags the code needs
+    compile_flags: tuple[str, ...]
 
 
-def _cpu_flags() -> set[str]:
+ISAS = {  # best first
+    "avx512bf16": Isa("avx512bf16", "moe_avx512bf16.cpp", ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "fma"),
+                      ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vbmi", "-mavx512bf16", "-mfma")),
+    "avx2": Isa("avx2", "moe_avx2.cpp", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+}
+CHOICES = (*ISAS, "torch", "auto")
+
+_libs: dict[str, ctypes.CDLL] = {}
+_reasons: dict[str, str] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo flags (empty off Linux); read once."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
+
+
+def is_x86_64_linux() -> bool:
+    return sys.platform == "linux" and os.uname().machine in ("x86_64", "AMD64")
+
+
+def missing_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
+    flags = cpu_flags() if flags is None else flags
+    return [f for f in ISAS[isa].cpu_flags if f not in flags]
+
+
+def host_isas() -> list[str]:
+    """The native variants this host can run, best first (empty off x86-64 Linux)."""
+    if not is_x86_64_linux():
+        return []
+    flags = cpu_flags()
+    return [name for name in ISAS if not missing_flags(name, flags)]
+
+
+def selected_isa() -> str:
+    """The variant to run: ``VLLM_MOE_W8_CPU_ISA`` if set (validated), else the host's best, else ``torch``."""
+    if os.environ.get("VLLM_MOE_W8_NATIVE", "1") == "0":
+        return "torch"
+    choice = os.environ.get(ENV_ISA, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV_ISA}={choice!r} is not a choice; set it to one of {', '.join(CHOICES)}")
+    if choice == "auto":
+        best = host_isas()
+        return best[0] if best else "torch"
+    if choice != "torch":
+        if not is_x86_64_linux():
+            raise RuntimeError(f"{ENV_ISA}={choice}: the native kernel is x86-64 Linux only; unset it or use torch")
+        missing = missing_flags(choice)
+        if missing:
+            raise RuntimeError(f"{ENV_ISA}={choice}, but this CPU lacks {', '.join(missing)}; "
+                               f"unset it (automatic choice) or choose one of {', '.join(host_isas() + ['torch'])}")
+    return choice
+
+
+def unavailable_reason(isa: str | None = None) -> str | None:
+    """Why the native kernel is not used for ``isa`` (default: the selected one); None if it loaded."""
+    isa = isa or selected_isa()
+    if isa == "torch":
+        if os.environ.get("VLLM_MOE_W8_NATIVE", "1") == "0":
+            return "disabled by VLLM_MOE_W8_NATIVE=0"
+        if os.environ.get(ENV_ISA, "auto").strip().lower() == "torch":
+            return f"{ENV_ISA}=torch"
+        if not is_x86_64_linux():
+            return f"native kernel is x86-64 Linux only (this is {sys.platform}/{os.uname().machine})"
+        return "CPU lacks " + " / ".join(", ".join(missing_flags(name)) for name in ISAS)
+    return _reasons.get(isa)
 
 
 def cache_dir() -> Path:
@@ -51,25 +124,27 @@ def cache_dir() -> Path:
     return Path(root) / "vllm_moe_w8"
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile the kernel if no cached build matches the source and flags; returns the .so path."""
+def build(isa: str, verbose: bool = False) -> Path:
+    """Compile variant ``isa`` unless a cached build matches its sources, flags and compiler; returns the .so."""
+    spec = ISAS[isa]
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler (g++/c++) on PATH; install g++ or set CXX")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + compiler.encode()).hexdigest()[:16]
-    out_dir = cache_dir()
-    target = out_dir / f"cpu_moe_kernel_{key}.so"
+    flags = [*COMMON_FLAGS, *spec.compile_flags]
+    digest = hashlib.sha256(" ".join(flags).encode() + compiler.encode())
+    for path in sorted([CSRC / spec.source, *CSRC.glob("*.h")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    target = cache_dir() / f"moe_{isa}_{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
+        cmd = [compiler, *flags, str(CSRC / spec.source), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"building {spec.source} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
         if verbose:
             print(" ".join(cmd), file=sys.stderr)
         os.replace(tmp, target)  # atomic: a concurrent builder either sees nothing or the whole file
@@ -79,38 +154,35 @@ def build(verbose: bool = False) -> Path:
     return target
 
 
-def load():
-    """The ctypes library, or None when the native kernel cannot run here (see unavailable_reason)."""
-    global _lib, _reason, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("VLLM_MOE_W8_NATIVE", "1") == "0":
-        _reason = "disabled by VLLM_MOE_W8_NATIVE=0"
+def load(isa: str | None = None):
+    """The ctypes library of variant ``isa`` (default: :func:`selected_isa`), or None (see unavailable_reason)."""
+    isa = isa or selected_isa()
+    if isa == "torch":
         return None
-    if sys.platform != "linux" or os.uname().machine not in ("x86_64", "AMD64"):
-        _reason = f"native kernel is x86-64 Linux only (this is {sys.platform}/{os.uname().machine})"
-        return None
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        _reason = f"CPU lacks {', '.join(missing)}"
-        return None
+    if isa in _libs or isa in _reasons:
+        return _libs.get(isa)
     import torch  # noqa: F401  -- torch's libgomp must be loaded first so the kernel shares its OpenMP runtime
 
     try:
-        lib = ctypes.CDLL(str(build()))
-    except Exception as exc:  # compiler missing, build error, load error: fall back, say why
-        _reason = f"{type(exc).__name__}: {exc}"
+        lib = ctypes.CDLL(str(build(isa)))
+    except Exception as exc:  # compiler missing, build error, load error: the caller falls back and says why
+        _reasons[isa] = f"{type(exc).__name__}: {exc}"
         return None
-    i64, u8p = ctypes.c_int64, ctypes.c_void_p
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn = lib.moe_w8_forward
     fn.restype = ctypes.c_int
     fn.argtypes = [
-        ctypes.c_void_p, i64, i64, i64, i64,  # x, T, H, I, E
-        u8p, ctypes.c_void_p, u8p, ctypes.c_void_p,  # w13, w13_s, w2, w2_s
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, i64,  # topk_ids, ids_are_int32, topk_weights, k
+        ptr, ctypes.c_int, i64, i64, i64, i64,  # x, x_planes, T, H, I, E
+        ptr, ptr, ptr, ptr,  # w13, w13_s, w2, w2_s
+        ptr, ctypes.c_int, ptr, i64,  # topk_ids, ids_are_int32, topk_weights, k
         i64, i64, ctypes.c_float, ctypes.c_int,  # bn, bk, swiglu_limit, nthreads
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64),  # h scratch, out, bad_id
+        ptr, ctypes.POINTER(ctypes.c_int64),  # out, bad_id
     ]
-    _lib = lib
-    return _lib
+    _libs[isa] = lib
+    return lib
+
+
+def reset() -> None:
+    """Forget loaded variants and failure reasons (tests; a rebuilt cache is picked up on the next load)."""
+    _libs.clear()
+    _reasons.clear()

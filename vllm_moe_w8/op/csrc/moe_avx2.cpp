@@ -1,8 +1,8 @@
-// Native CPU body of the neuron-w8 MoE op: exact FP8-weight MoE with 1-byte experts (AVX2 + FMA + F16C).
+// Native CPU body of the neuron-w8 MoE op, AVX2 + FMA + F16C variant: exact FP8-weight MoE with 1-byte experts.
 //
-// Built at first use by vllm_moe_w8/cpu_moe_native.py (g++ -O3 -mavx2 -mfma -mf16c -fopenmp), loaded with
-// ctypes; no torch headers, so the build takes a second or two. OpenMP threads come from the same
-// libgomp torch uses (already loaded, same soname), their number is passed in (torch.get_num_threads()).
+// Built at first use by vllm_moe_w8/op/native.py (g++ -O3 -mavx2 -mfma -mf16c -fopenmp) on hosts whose best
+// instruction set is AVX2 (or when VLLM_MOE_W8_CPU_ISA=avx2), loaded with ctypes; no torch headers. OpenMP threads
+// come from the same libgomp torch uses (already loaded, same soname), their number is passed in.
 //
 // Numbers: each weight is the float32 product code_value * tile_scale, rounded once -- exactly what
 // fp8.dequantize computes -- and every sum is accumulated in float32.
@@ -12,7 +12,7 @@
 //   (repack and the checkpoint reader guarantee it): e4m3's inf/NaN codes and e4m3fn's NaN code are not
 //   special-cased here.
 //
-// Algorithm: the (token, slot) pairs are grouped by expert with a stable counting sort.
+// Algorithm (routing and work split shared with the other variants, moe_common.h):
 //   phase 1: work item = (expert, chunk of intermediate rows): decode a few gate (then up) rows into an
 //            L1-resident float32 panel, multiply with every token routed to the expert, then SiLU(gate)*up
 //            into h[pair, i].
@@ -28,7 +28,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
+
+#include "moe_common.h"
 
 namespace {
 
@@ -211,79 +214,42 @@ void matmul_rows(const Matrix& mat, int64_t n0, int64_t n1, const float* const* 
   }
 }
 
-inline float silu_mul(float g, float u, float limit) {
-  if (limit > 0.0f) {
-    g = std::min(g, limit);
-    u = std::max(std::min(u, limit), -limit);
-  }
-  return g / (1.0f + std::exp(-g)) * u;
-}
-
 }  // namespace
 
 extern "C" {
 
 // Returns 0 on success, 1 for unsupported shapes, 2 (and *bad_id) for an expert id >= E.
-//   x [T, H] float32; topk_ids [T, k] (int32 if ids_are_int32 else int64, < 0: not on this rank);
-//   topk_weights [T, k] float32; w13 [E, 2I, H] codes, w13_s [E, 2*gI, gH]; w2 [E, H, I] codes,
-//   w2_s [E, gH2, gI2]; h: scratch [T*k, I]; out: [T, H] float32, zero on entry, accumulated.
-int moe_w8_forward(const float* x, int64_t T, int64_t H, int64_t I, int64_t E,
+//   x [T, H] float32; x_planes is unused here (the float32 inputs are used as they are);
+//   topk_ids [T, k] (int32 if ids_are_int32 else int64, < 0: not on this rank); topk_weights [T, k] float32;
+//   w13 [E, 2I, H] codes, w13_s [E, 2*gI, gH]; w2 [E, H, I] codes, w2_s [E, gH2, gI2];
+//   out: [T, H] float32, zero on entry, accumulated.
+int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I, int64_t E,
                    const uint8_t* w13, const float* w13_s, const uint8_t* w2, const float* w2_s,
                    const void* topk_ids, int ids_are_int32, const float* topk_weights, int64_t K_top,
-                   int64_t bn, int64_t bk, float swiglu_limit, int nthreads, float* h, float* out,
-                   int64_t* bad_id) {
+                   int64_t bn, int64_t bk, float swiglu_limit, int nthreads, float* out, int64_t* bad_id) {
+  (void)x_planes;
+  using namespace moe_w8;
   if (H % 16 || I % 16 || (bk && bk % 16)) return 1;
-  const int64_t gI = (I + bn - 1) / bn;
-  const int64_t gH = bk ? (H + bk - 1) / bk : 1;
-  const int64_t gH2 = (H + bn - 1) / bn;
-  const int64_t gI2 = bk ? (I + bk - 1) / bk : 1;
-  const int nt = std::max(1, nthreads);
-
-  // Group the (token, slot) pairs by expert: a stable counting sort (token order kept per expert).
-  const int64_t n_pairs = T * K_top;
-  auto id_at = [&](int64_t p) -> int64_t {
-    return ids_are_int32 ? static_cast<const int32_t*>(topk_ids)[p] : static_cast<const int64_t*>(topk_ids)[p];
-  };
-  std::vector<int64_t> count(E + 1, 0);
-  for (int64_t p = 0; p < n_pairs; ++p) {
-    const int64_t e = id_at(p);
-    if (e >= E) { *bad_id = e; return 2; }
-    if (e >= 0) ++count[e];
-  }
-  std::vector<int64_t> experts, offsets{0}, start(E, 0);
-  for (int64_t e = 0; e < E; ++e)
-    if (count[e]) {
-      start[e] = offsets.back();
-      experts.push_back(e);
-      offsets.push_back(offsets.back() + count[e]);
-    }
-  const int64_t n_active = static_cast<int64_t>(experts.size());
-  const int64_t P = offsets.back();
+  const Grid grid(H, I, bn, bk);
+  const int64_t gI = grid.gI, gH = grid.gH, gH2 = grid.gH2, gI2 = grid.gI2;
+  Routing routing;
+  if (!group_by_expert(topk_ids, ids_are_int32, topk_weights, T, K_top, E, routing, bad_id)) return 2;
+  const int64_t P = routing.pairs();
   if (P == 0) return 0;
-  std::vector<int64_t> pair_token_v(P);
-  std::vector<float> pair_weight_v(P);
-  for (int64_t p = 0; p < n_pairs; ++p) {
-    const int64_t e = id_at(p);
-    if (e < 0) continue;
-    const int64_t q = start[e]++;
-    pair_token_v[q] = p / K_top;
-    pair_weight_v[q] = topk_weights[p];
-  }
-  const int64_t* pair_tokens = pair_token_v.data();
-  const float* pair_weights = pair_weight_v.data();
+  const int64_t n_active = routing.active();
+  const std::vector<int64_t>& experts = routing.experts;
+  const std::vector<int64_t>& offsets = routing.offsets;
+  const int64_t* pair_tokens = routing.tokens.data();
+  const float* pair_weights = routing.weights.data();
+  std::unique_ptr<float[]> h_store(new float[P * I]);  // every row written in phase 1
+  float* h = h_store.get();
 
-  // Work items. Phase 1: (expert, chunk of intermediate rows); phase 2: chunk of hidden rows of W2.
-  int64_t chunk1 = 64;
-  while (chunk1 > kPanelRows * 2 && n_active * ((I + chunk1 - 1) / chunk1) < 4 * nt) chunk1 /= 2;
+  const int64_t chunk1 = phase1_chunk(n_active, I, nthreads, kPanelRows * 2);
   const int64_t chunks1 = (I + chunk1 - 1) / chunk1;
   const int64_t items1 = n_active * chunks1;
-  int64_t chunk2 = 64;
-  while (chunk2 > kPanelRows * 2 && (H + chunk2 - 1) / chunk2 < 8 * nt) chunk2 /= 2;
+  const int64_t chunk2 = phase2_chunk(H, nthreads, kPanelRows * 2);
   const int64_t items2 = (H + chunk2 - 1) / chunk2;
-  // Waking a thread costs more than a small call's whole work (and much more on a busy machine):
-  // below ~1 MB of routed codes, run on the calling thread only.
-  const int64_t routed_codes = n_active * 3 * I * H;
-  const int threads = routed_codes < (int64_t{1} << 20) ? 1 : nt;
+  const int threads = threads_for(n_active, H, I, nthreads);
 
   // One parallel region (one thread wake-up per call); the barrier after phase 1 publishes h.
 #pragma omp parallel num_threads(threads)

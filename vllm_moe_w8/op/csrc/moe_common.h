@@ -1,0 +1,89 @@
+// Shared by every instruction-set variant of the native CPU MoE kernel: the routing (pairs grouped by
+// expert), the work split, the scale-grid geometry and the activation. No intrinsics here.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace moe_w8 {
+
+// (token, slot) pairs grouped by expert with a stable counting sort (token order kept per expert).
+struct Routing {
+  std::vector<int64_t> experts;  // active experts, ascending
+  std::vector<int64_t> offsets;  // pairs of experts[a] are [offsets[a], offsets[a + 1])
+  std::vector<int64_t> tokens;   // token of each grouped pair
+  std::vector<float> weights;    // routing weight of each grouped pair
+  int64_t pairs() const { return offsets.back(); }
+  int64_t active() const { return static_cast<int64_t>(experts.size()); }
+};
+
+// Returns false (and *bad_id) when an id >= E; ids < 0 are routes to experts not on this rank.
+inline bool group_by_expert(const void* topk_ids, bool ids_are_int32, const float* topk_weights, int64_t T,
+                            int64_t k_top, int64_t E, Routing& r, int64_t* bad_id) {
+  const int64_t n_pairs = T * k_top;
+  auto id_at = [&](int64_t p) -> int64_t {
+    return ids_are_int32 ? static_cast<const int32_t*>(topk_ids)[p] : static_cast<const int64_t*>(topk_ids)[p];
+  };
+  std::vector<int64_t> count(E + 1, 0), start(E, 0);
+  for (int64_t p = 0; p < n_pairs; ++p) {
+    const int64_t e = id_at(p);
+    if (e >= E) { *bad_id = e; return false; }
+    if (e >= 0) ++count[e];
+  }
+  r.offsets.assign(1, 0);
+  for (int64_t e = 0; e < E; ++e)
+    if (count[e]) {
+      start[e] = r.offsets.back();
+      r.experts.push_back(e);
+      r.offsets.push_back(r.offsets.back() + count[e]);
+    }
+  r.tokens.resize(r.pairs());
+  r.weights.resize(r.pairs());
+  for (int64_t p = 0; p < n_pairs; ++p) {
+    const int64_t e = id_at(p);
+    if (e < 0) continue;
+    const int64_t q = start[e]++;
+    r.tokens[q] = p / k_top;
+    r.weights[q] = topk_weights[p];
+  }
+  return true;
+}
+
+// Scale grid of the two expert matrices: w13 [2I, H] on (bn, bk) tiles, w2 [H, I] likewise; bk == 0: whole rows.
+struct Grid {
+  int64_t gI, gH, gH2, gI2;
+  Grid(int64_t H, int64_t I, int64_t bn, int64_t bk)
+      : gI((I + bn - 1) / bn), gH(bk ? (H + bk - 1) / bk : 1), gH2((H + bn - 1) / bn), gI2(bk ? (I + bk - 1) / bk : 1) {}
+};
+
+// Rows per phase-1 work item (expert, chunk of intermediate rows): enough items to keep every thread busy.
+inline int64_t phase1_chunk(int64_t n_active, int64_t I, int nthreads, int64_t min_chunk) {
+  int64_t chunk = 64;
+  while (chunk > min_chunk && n_active * ((I + chunk - 1) / chunk) < 4 * nthreads) chunk /= 2;
+  return chunk;
+}
+
+// Rows of W2 (output columns) per phase-2 work item.
+inline int64_t phase2_chunk(int64_t H, int nthreads, int64_t min_chunk) {
+  int64_t chunk = 64;
+  while (chunk > min_chunk && (H + chunk - 1) / chunk < 8 * nthreads) chunk /= 2;
+  return chunk;
+}
+
+// Waking a thread costs more than a small call's whole work (and much more on a busy machine):
+// below ~1 MB of routed codes, run on the calling thread only.
+inline int threads_for(int64_t n_active, int64_t H, int64_t I, int nthreads) {
+  return n_active * 3 * I * H < (int64_t{1} << 20) ? 1 : std::max(1, nthreads);
+}
+
+inline float silu_mul(float g, float u, float limit) {
+  if (limit > 0.0f) {
+    g = std::min(g, limit);
+    u = std::max(std::min(u, limit), -limit);
+  }
+  return g / (1.0f + std::exp(-g)) * u;
+}
+
+}  // namespace moe_w8
