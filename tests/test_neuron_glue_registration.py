@@ -168,7 +168,7 @@ def test_dense_only_qwen3_5_names_the_missing_interface(standin, q35, monkeypatc
 
     monkeypatch.setitem(sys.modules, "vllm_neuron.model.qwen3_5.moe", None)  # a vllm-neuron without the MoE variant
     monkeypatch.setitem(sys.modules, "vllm_neuron.model.qwen3_5", None)
-    monkeypatch.setattr(interfaces, "_has_module", lambda name: True)
+    monkeypatch.setattr(interfaces, "has_module", lambda name: True)
     cls = platform()
     registration.install(cls)
     with pytest.raises(interfaces.NeuronGlueError, match=r"dense Qwen3\.5 model but no MoE variant; missing: .*Qwen3_5SparseMoeBlock"):

@@ -13,82 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_moe_w8.codec import fp8
 from vllm_moe_w8.kernels import host, launch
 from vllm_moe_w8.kernels.moe_w8 import T_MAX, moe_w8_output_block, moe_w8_pow2
 from vllm_moe_w8.kernels.nki_api import BACKEND
-from vllm_moe_w8.op.reference import activate, dequantize_expert, dequantize_w13, reference_moe
+from vllm_moe_w8.neuron_glue.kernel_check import ACT_BF16_ROUNDOFF, checkpoint_experts, error_bound, repacked, routing
+from vllm_moe_w8.op.reference import reference_moe
 
-# The kernel's only rounding beyond fp32 accumulation: the activation SiLU(g)*u*affinity is rounded to
-# bf16 (unit roundoff 2**-9) before the down projection, so |kernel - reference| <= 2**-9 * sum_j |W2[h, j]| |act_j|.
-ACT_BF16_ROUNDOFF = 2.0**-9
-# Slack over that bound for fp32 accumulation (<= 4096 terms, relative 2**-24 each) and fp32 SiLU/scales.
-BOUND_SLACK = 1.5
-ABS_FLOOR = 1e-6  # outputs that cancel to ~0 in fp32
+# The gate and its harness are the ones `vllm-moe-w8 neuron-check` runs (vllm_moe_w8/neuron_glue/kernel_check.py):
+# the kernel's only rounding beyond fp32 accumulation is the bf16 activation (unit roundoff 2**-9), so
+# |kernel - reference| <= ABS_FLOOR + BOUND_SLACK * 2**-9 * sum_j |W2[h, j]| |act_j| (error_bound).
 
 QWEN = dict(H=2048, I=512)
 GLM = dict(H=4096, I=2048)
-
-
-def checkpoint_experts(num_experts: int, hidden: int, inter: int, seed: int):
-    """Random FP8 checkpoint-like experts: weights quantised per 128x128 block with amax / 448 (E4M3FN)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def quantise(rows, cols):
-        w = torch.randn(num_experts, rows, cols, generator=gen) * 0.02
-        tiles = w.reshape(num_experts, rows // 128, 128, cols // 128, 128)
-        scale = tiles.abs().amax(dim=(2, 4)) / fp8.E4M3FN_MAX
-        codes = (tiles / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).reshape(num_experts, rows, cols)
-        return codes, scale
-
-    return quantise(2 * inter, hidden), quantise(hidden, inter)  # (gate|up rows, scales), (down, scales)
-
-
-def repacked(ckpt, mode: str):
-    """The op's storage: per-expert fp8.repack of gate, up (stacked as w13) and down."""
-    (c13, s13), (c2, s2) = ckpt
-    inter = c13.shape[1] // 2
-    g = inter // 128
-    w13, sc13, w2, sc2 = [], [], [], []
-    for e in range(c13.shape[0]):
-        gate = fp8.repack(c13[e, :inter], s13[e, :g], mode=mode)
-        up = fp8.repack(c13[e, inter:], s13[e, g:], mode=mode)
-        down = fp8.repack(c2[e], s2[e], mode=mode)
-        w13.append(torch.cat([gate.codes, up.codes]))
-        sc13.append(torch.cat([gate.scale_grid, up.scale_grid]))
-        w2.append(down.codes)
-        sc2.append(down.scale_grid)
-    block = gate.block
-    return torch.stack(w13), torch.stack(sc13), torch.stack(w2), torch.stack(sc2), block
-
-
-def routing(tokens: int, num_experts: int, top_k: int, seed: int):
-    """Top-k routing with a token routed to no local expert and a duplicate route."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(num_experts * 2, generator=gen)[:top_k] for _ in range(tokens)])
-    ids = torch.where(ids < num_experts, ids, -1)  # about half the routes go to other ranks
-    ids[0, 0] = 0  # token 0 has a local expert (the only token when tokens == 1)
-    if tokens > 2:
-        ids[1, :2] = 1  # token 1: the same local expert twice
-        ids[-1] = -1  # the last token: no local expert at all
-    weights = torch.rand(tokens, top_k, generator=gen)
-    return weights / weights.sum(dim=1, keepdim=True), ids
-
-
-def error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block, swiglu_limit=0.0) -> torch.Tensor:
-    """sum_e aff[t, e] * |act_e(x_t)| @ |W2_e|.T: what the bf16 rounding of the activation can move."""
-    aff = host.dense_affinities(topk_weights, topk_ids, w13.shape[0])
-    out = torch.zeros(x.shape[0], w2.shape[1])
-    xf = x.float()
-    for e in range(w13.shape[0]):
-        rows = aff[:, e].nonzero().flatten()
-        if rows.numel() == 0:
-            continue
-        gate, up = dequantize_w13(w13, s13, e, block, "e4m3")
-        down = dequantize_expert(w2[e], s2[e], block, "e4m3")
-        act = activate(xf[rows] @ gate.T, xf[rows] @ up.T, swiglu_limit=swiglu_limit) * aff[rows, e:e + 1]
-        out[rows] += act.abs() @ down.abs().T
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +71,7 @@ def check_kernel(ckpt, mode, tokens, top_k, seed, swiglu_limit=0.0, fault=None):
     ref = reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3", swiglu_limit=swiglu_limit)
     if swiglu_limit > 0:  # the clamp must bite, or this case tests nothing
         assert not torch.equal(ref, reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3"))
-    bound = ABS_FLOOR + BOUND_SLACK * ACT_BF16_ROUNDOFF * error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block, swiglu_limit)
+    bound = error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block, swiglu_limit)
     assert out.shape == (tokens, hidden) and out.dtype == torch.float32
     kernel_gate(out, ref, bound)
     unrouted = (topk_ids < 0).all(dim=1)
@@ -181,10 +117,10 @@ def _double_one_scale_tile(kw):
 
 
 def _swap_gate_up(kw):
-    gate, up = kw.w13[1].chunk(2, dim=-1)
-    kw.w13[1] = torch.cat([up, gate], dim=-1).clone()  # expert 1's halves swapped (codes; scales alike here)
-    sg, su = kw.w13_scales[1].chunk(2, dim=0)
-    kw.w13_scales[1] = torch.cat([su, sg], dim=0).clone()
+    gate, up = kw.w13[0].chunk(2, dim=-1)
+    kw.w13[0] = torch.cat([up, gate], dim=-1).clone()  # expert 0's (always routed) halves swapped
+    sg, su = kw.w13_scales[0].chunk(2, dim=0)
+    kw.w13_scales[0] = torch.cat([su, sg], dim=0).clone()
 
 
 def _flip_one_code(kw):

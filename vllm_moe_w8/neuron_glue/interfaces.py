@@ -101,7 +101,8 @@ def vllm_neuron_version() -> str:
         return "not installed"
 
 
-def _has_module(name: str) -> bool:
+def has_module(name: str) -> bool:
+    """Whether ``name`` can be imported (found on the path), without importing it."""
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
@@ -110,11 +111,11 @@ def _has_module(name: str) -> bool:
 
 def generation() -> str:
     """'current', 'nxdi' (0.2.x NxD Inference backend), 'absent' or 'unknown'."""
-    if not _has_module("vllm_neuron"):
+    if not has_module("vllm_neuron"):
         return "absent"
-    if _has_module("vllm_neuron.model.registry") and _has_module("vllm_neuron.vllm.worker.neuron_model_runner"):
+    if has_module("vllm_neuron.model.registry") and has_module("vllm_neuron.vllm.worker.neuron_model_runner"):
         return "current"
-    if _has_module("vllm_neuron.worker.neuronx_distributed_model_loader"):
+    if has_module("vllm_neuron.worker.neuronx_distributed_model_loader"):
         return "nxdi"
     return "unknown"
 
@@ -162,7 +163,7 @@ def resolve_target(architecture: str) -> tuple[MoeTarget, type, type]:
         block = import_attr(*target.block)
     except (ImportError, AttributeError) as e:
         missing = f"{target.factory[0]}.{target.factory[1]} / {target.block[0]}.{target.block[1]}"
-        if target is QWEN3_5_MOE and _has_module("vllm_neuron.model.qwen3_5"):
+        if target is QWEN3_5_MOE and has_module("vllm_neuron.model.qwen3_5"):
             raise NeuronGlueError(
                 f"{header}: this vllm-neuron has the dense Qwen3.5 model but no MoE variant; missing: "
                 f"{QWEN3_5_DENSE_ONLY_MISSING} ({e}). neuron-w8 replaces the experts of: {supported_text()}"

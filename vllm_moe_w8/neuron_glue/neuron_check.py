@@ -48,13 +48,6 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def registry_entries() -> list[str]:
     """The vllm-neuron registry entries neuron-w8 wraps (``interfaces.TARGETS``), each with its state on this host:
     wrapped (``register()`` ran in this process), present but not wrapped, or missing; then the models it leaves alone."""
@@ -68,7 +61,7 @@ def registry_entries() -> list[str]:
 
 
 def _entry_state(target) -> str:
-    if not _has_module("vllm_neuron"):
+    if not interfaces.has_module("vllm_neuron"):
         return "vllm-neuron not installed"
     try:
         factory = interfaces.import_attr(*target.factory)
@@ -96,7 +89,7 @@ def inventory(lnc: int) -> dict:
         "versions": {d: _version(d) for d in DISTRIBUTIONS},
         "nki": kernel_launch.real_nki()[1],
         "nki_usable": kernel_launch.real_nki()[0] is not None,
-        "model_runner": [label for label, mod in RUNNERS.items() if _has_module(mod)] or "none (vllm-neuron not installed)",
+        "model_runner": [label for label, mod in RUNNERS.items() if interfaces.has_module(mod)] or "none (vllm-neuron not installed)",
         "registry_entries_wrapped": registry_entries(),
         "platform_quantization": platform_quantizations(),
         "lnc": f"{lnc} (NEURON_LOGICAL_NC_CONFIG={os.environ.get('NEURON_LOGICAL_NC_CONFIG', 'unset: trn2 default')})",
