@@ -19,18 +19,11 @@ from vllm.logger import init_logger
 
 from vllm_moe_w8.about import QUANTIZATION_NAME
 from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.codec.model_config import SUPPORTED_ARCHITECTURES as MODEL_ARCHITECTURES
 
 logger = init_logger("vllm.neuron_w8")
 
-SUPPORTED_ARCHITECTURES = (
-    "Qwen3MoeForCausalLM",
-    "Qwen3_5MoeForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration",
-    "Glm4MoeForCausalLM",
-    "GlmMoeDsaForCausalLM",
-    "Glm5NextForCausalLM",
-    "Glm5NextForConditionalGeneration",
-)
+SUPPORTED_ARCHITECTURES = tuple(MODEL_ARCHITECTURES)  # one list: the codec's, with each architecture's expert prefixes
 SUPPORTED_BLOCK = [128, 128]
 SUPPORTED_FORMATS_TEXT = (
     "block FP8 (quant_method 'fp8', weight_block_size [128, 128], activation_scheme 'dynamic'), "
