@@ -129,6 +129,7 @@ def logprob_gate(case: str, quant: dict, twin: dict) -> None:
     diffs = [abs(a - b) for qa, ta in zip(quant["prompt_logprobs"], twin["prompt_logprobs"]) for a, b in zip(qa, ta)]
     assert len(diffs) == sum(len(t) for t in twin["prompt_logprobs"]) > 30
     worst, mean = max(diffs), sum(diffs) / len(diffs)
+    print(f"{case}: max |dlogprob| {worst:.3g}, mean {mean:.3g}")
     if CASES[case][3] == "float32":
         assert worst <= LOGPROB_ATOL_FP32, f"{case}: max |dlogprob| {worst:.3g} > {LOGPROB_ATOL_FP32} (mean {mean:.3g})"
     else:
@@ -165,9 +166,9 @@ def test_offline_generate(case):
 
 
 def test_runs_used_the_kernels_the_gate_assumes(case):
-    """What vLLM recorded picking, the same on every CPU variant: the MLA case ran CPU_MLA in every run, the twin's
-    MoE ran vLLM's "vec" kernel and nothing else, and the neuron-w8 runs ran no vLLM MoE kernel at all (every routed
-    expert went through the plugin's op)."""
+    """What vLLM recorded picking, the same on every CPU variant: the MLA case ran CPU_MLA in every run, the others
+    vLLM's CPU attention with one attention ISA in all runs of the case, the twin's MoE ran vLLM's "vec" kernel and
+    nothing else, and the neuron-w8 runs ran no vLLM MoE kernel at all (every routed expert through the plugin's op)."""
     case, results = case
     names = ["neuron-w8", "twin", *FAULTS]
     entries = {name: _entry(results, name) for name in names}
@@ -179,3 +180,5 @@ def test_runs_used_the_kernels_the_gate_assumes(case):
             assert entry["attention_backends"] == ["CPUAttentionBackend"], (name, entry["attention_backends"])
         want_moe = [TWIN_MOE_ISA] if name == "twin" else []
         assert entry["moe_isas"] == want_moe, (name, entry["moe_isas"])
+        # the kernels vLLM picks by CPU are picked alike in every run of the case (on AMX hosts: "amx" for bf16)
+        assert entry["attention_isas"] == entries["twin"]["attention_isas"], (name, entry["attention_isas"])
