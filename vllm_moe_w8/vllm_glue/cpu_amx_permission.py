@@ -67,7 +67,7 @@ def decide(flags: frozenset[str], env_value: str | None, is_cpu_platform: bool, 
 
 
 def _arch_prctl(code: int, arg) -> int:
-    """``syscall(SYS_arch_prctl, code, arg)``; -1 where it cannot be made (not Linux x86-64), else the errno-style result."""
+    """``syscall(SYS_arch_prctl, code, arg)``: 0 on success, -1 on failure (errno set) or where there is no such call."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return -1
     import ctypes
