@@ -2,8 +2,12 @@
 
 Two variants share one body:
 
-* :func:`moe_w8_pow2` - exact 128x128 block scales: every contraction block's partial product is scaled
-  (ScalarE, PSUM -> SBUF) before it is added (VectorE) to an fp32 SBUF accumulator.
+* :func:`moe_w8_pow2` - exact 128x128 block scales: every contraction block's partial product is scaled and
+  added to an fp32 SBUF accumulator, per 128-column block either by ScalarE (scaled copy PSUM -> SBUF) + GpSimdE
+  (add in SBUF; GpSimd cannot read PSUM) or by one VectorE ``scalar_tensor_tensor`` (partial * scale + total).
+  Which blocks go to VectorE is the trace-time constant ``vector_blocks`` (of every ``schedule.BLOCK_PERIOD``),
+  chosen at load from the Neuron calibration file (``kernels/schedule.py``: which engines overlap on the device).
+  The arithmetic is the same either way: one fp32 multiply and one fp32 add per block.
 * :func:`moe_w8_output_block` - one scale per 128 output rows: the whole contraction accumulates in
   PSUM and is scaled once while it is evacuated. It refuses 128x128 block scales (the grid is checked).
 
@@ -40,8 +44,10 @@ Dataflow per expert (dense over the rank's local experts, as decode needs):
   are the *moving* operand of ``nisa.nc_matmul`` against the bf16 hidden^T chunk (stationary), fp32
   PSUM. SiLU(gate) (ScalarE, scale fused), times the affinity, times up gives the activation in bf16
   [T, I], transposed (TensorE) to [P, I/P, T] to be the stationary operand of the down projection,
-  whose output is scaled and added into the fp32 accumulator [T, H] in SBUF; one DMA per 128-token tile
-  writes the result.
+  whose blocks are scaled and added straight into the fp32 accumulator [T, H] in SBUF (pow2; output-block: one
+  scaled add per 128 columns); one DMA per 128-token tile writes the result. Weights move in few, large DMAs
+  (gate and up together when I <= 512, down DOWN_DMA_COLS columns at a time); the expert's two scale grids are
+  loaded side by side and broadcast to the token partitions together.
 Precision: products are exact in fp32 (bf16 x fp8), accumulation fp32; the activation is rounded to
 bf16 once before the down projection (the only rounding beyond fp32 accumulation).
 """

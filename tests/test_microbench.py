@@ -116,3 +116,20 @@ def test_rule_gpsimd_cannot_access_psum():
     assert np.array_equal(out, 2 * x) and stats.engine_ops[("gpsimd", "tensor_tensor", 128, 64)] == 1
     with pytest.raises(NkiValidationError, match="GpSimdE cannot access PSUM"):
         run(_gpsimd_add, x, from_psum=1)
+
+
+def test_neuron_check_on_cpu_prints_the_microbenchmarks(monkeypatch, tmp_path, capsys):
+    """The hook in neuron-check: the CPU run shows the section (interpreter, both scenarios) and records it."""
+    from vllm_moe_w8.neuron_glue import kernel_launch, neuron_check
+
+    if kernel_launch.neuron_device_present()[0]:
+        pytest.skip("a Neuron device is present")
+    monkeypatch.setattr(neuron_check, "LAYER", dict(hidden=256, inter=256, experts_neuron=2, experts_cpu=2, top_k=2))
+    monkeypatch.setattr(neuron_check, "CASES", neuron_check.CASES[:1])
+    monkeypatch.setenv(schedule.CALIBRATION_ENV, str(tmp_path / "cal.json"))
+    out_json = tmp_path / "check.json"
+    assert neuron_check.run(lnc=1, json_path=str(out_json)) == neuron_check.EXIT_NOT_NEURON
+    assert "== microbenchmarks" in capsys.readouterr().out
+    section = json.loads(out_json.read_text())["microbenchmarks"]
+    assert section["ran_on"].startswith("NKI interpreter") and "chosen" not in section
+    assert not (tmp_path / "cal.json").exists()

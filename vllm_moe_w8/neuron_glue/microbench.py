@@ -176,13 +176,19 @@ def _device_per_op(name: str, lnc: int, timer) -> float:
     return (t[hi] - t[lo]) / (hi - lo)
 
 
-def device_timer(kernel, tensors, constants, lnc: int, repeats: int = 5) -> float:
-    """Median wall time of one launch on the Neuron device (through kernel_launch.launch, synchronised by .cpu())."""
+def device_timer(kernel, tensors, constants, lnc: int, repeats: int = 5, device: str = "neuron") -> float:
+    """Median wall time of one launch on the Neuron device (through kernel_launch.launch, synchronised by .cpu()).
+    Unverified until the first trn2 run (the launch path is the one the MoE kernels use)."""
     import torch
 
     from vllm_moe_w8.neuron_glue import kernel_launch
 
-    dev = [torch.from_numpy(np.ascontiguousarray(t)).to("neuron") if t.dtype.kind != "V" else t for t in tensors]
+    def to_device(a):
+        if a.dtype.name == "bfloat16":  # ml_dtypes bfloat16 -> torch bfloat16 (same bits)
+            return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).to(device)
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    dev = [to_device(t) for t in tensors]
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
@@ -191,15 +197,18 @@ def device_timer(kernel, tensors, constants, lnc: int, repeats: int = 5) -> floa
     return statistics.median(times[1:])
 
 
-def run_all(on_neuron: bool, lnc: int = 1, timer=None) -> list[Result]:
+def run_all(on_neuron: bool, lnc: int = 1, timer=None, device: str = "neuron") -> list[Result]:
     """Every microbenchmark: modelled per operation in both scenarios, and measured when on a Neuron host
-    (``timer``: how one launch is timed, :func:`device_timer` by default)."""
+    (``timer``: how one launch is timed, :func:`device_timer` on ``device`` by default)."""
+    if timer is None and on_neuron:
+        def timer(kernel, tensors, constants, lnc_):
+            return device_timer(kernel, tensors, constants, lnc_, device=device)
     results = []
     for name in BENCHES:
         unit = "s per DMA" if name.startswith("dma") else "s per instruction"
         r = Result(name, unit, _modelled_per_op(name))
         if on_neuron or timer is not None:
-            r.measured = _device_per_op(name, lnc, timer or device_timer)
+            r.measured = _device_per_op(name, lnc, timer)
         results.append(r)
     return results
 
@@ -253,12 +262,12 @@ def format_results(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def check(on_neuron: bool, lnc: int, path: Path | None = None, timer=None) -> dict:
+def check(on_neuron: bool, lnc: int, path: Path | None = None, timer=None, device: str = "neuron") -> dict:
     """neuron-check's microbenchmark section: run, print measured vs both scenarios, and on a Neuron host write the
     calibration file (``path`` or ``kernels/schedule.calibration_path()``). Returns what the JSON record keeps."""
     where = "Neuron device" if on_neuron or timer is not None else "NKI interpreter (instruction counts, no device clock)"
     print(f"\n== microbenchmarks (what decides the pow2 kernel's schedule), run on the {where}")
-    results = run_all(on_neuron, lnc, timer)
+    results = run_all(on_neuron, lnc, timer, device)
     print(format_results(results))
     record = {"ran_on": where, "results": [r.__dict__ for r in results], "active_schedule": schedule.load().__dict__}
     target = schedule.calibration_path() if path is None else Path(path)
