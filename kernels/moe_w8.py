@@ -54,7 +54,7 @@ bf16 once before the down projection (the only rounding beyond fp32 accumulation
 
 from __future__ import annotations
 
-from . import schedule
+from . import block_scale, schedule
 from .nki_api import nisa, nki, nl
 
 P = 128  # partitions; contraction block and scale block
@@ -166,41 +166,6 @@ def _contract(stationary, cols, weights, n_k, mode, rows, width):
     return ps
 
 
-def _scale_add(total, ps, scale, first, block, vector_blocks):
-    """total (fp32 SBUF) (+)= ps * scale for one [rows, 128] block: the pow2 kernel's per-block step.
-
-    ``first``: total is written (ScalarE activation, PSUM -> SBUF). Otherwise the block's engine follows the
-    schedule (kernels/schedule.py): VectorE ``scalar_tensor_tensor`` (ps * scale + total), or a ScalarE scaled copy
-    to SBUF then a GpSimd add in SBUF (GpSimd cannot read PSUM). Both: one fp32 multiply, one fp32 add."""
-    if first:
-        nisa.activation(dst=total, op=nl.copy, data=ps, scale=scale)
-    elif schedule.on_vector(block, vector_blocks):
-        nisa.scalar_tensor_tensor(dst=total, data=ps, op0=nl.multiply, operand0=scale, op1=nl.add, operand1=total)
-    else:
-        part = nl.ndarray(total.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=part, op=nl.copy, data=ps, scale=scale)
-        nisa.tensor_tensor(dst=total, data1=total, data2=part, op=nl.add, engine=nisa.engine.gpsimd)
-
-
-def _contract_pow2(stationary, cols, codes, n_k, scales, block0, per_block, rows, width, total, fresh, counter,
-                   vector_blocks):
-    """total[rows, width] (fp32 SBUF) (+)= sum_k sum_nb scale(nb, k) * (stationary[:, k, cols].T @ codes[:, k, nb])
-
-    Every k partial lands in its own PSUM tile and each 128-column block is scaled by its own scale
-    ``scales[:, _scale_col(block0, nb, k, per_block)]`` before it is added (``_scale_add``). ``fresh``: total holds
-    nothing yet (the k = 0 blocks write it). ``counter`` is the expert's running block count (the schedule's index);
-    returns it advanced."""
-    for k in range(n_k):
-        ps = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=ps, stationary=stationary[:, k, cols], moving=codes[:, k, :], accumulate=False)
-        for nb in range(width // P):
-            blk = slice(nb * P, (nb + 1) * P)
-            c = _scale_col(block0, nb, k, per_block)
-            _scale_add(total[:, blk], ps[:, blk], scales[:, c:c + 1], fresh and k == 0, counter, vector_blocks)
-            counter += 1
-    return counter
-
-
 def _load_w13(w13, e, inter, c0, w):
     """(gate codes, up codes) [P, gH, w] uint8 of intermediate columns [c0, c0 + w): one DMA when the slab is the whole
     intermediate size (gate and up are then contiguous), else one each."""
@@ -248,9 +213,9 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
             else:
                 gate = nl.ndarray((tt_rows, w), dtype=nl.float32, buffer=nl.sbuf)
                 up = nl.ndarray((tt_rows, w), dtype=nl.float32, buffer=nl.sbuf)
-                counter = _contract_pow2(h_t, cols, w_gate.view(nl.float8_e4m3), gh, sc13, gate0, g13, tt_rows, w, gate,
+                counter = block_scale.contract_pow2(h_t, cols, w_gate.view(nl.float8_e4m3), gh, sc13, gate0, g13, tt_rows, w, gate,
                                          True, counter, vector_blocks)
-                counter = _contract_pow2(h_t, cols, w_up.view(nl.float8_e4m3), gh, sc13, up0, g13, tt_rows, w, up,
+                counter = block_scale.contract_pow2(h_t, cols, w_up.view(nl.float8_e4m3), gh, sc13, up0, g13, tt_rows, w, up,
                                          True, counter, vector_blocks)
                 if limit > 0:
                     nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
@@ -306,5 +271,5 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
                         nisa.scalar_tensor_tensor(dst=out_blk, data=res[:, nb * P:(nb + 1) * P], op0=nl.multiply,
                                                   operand0=sc2[:, c:c + 1], op1=nl.add, operand1=out_blk)
                 else:  # every block's scaled partial straight into the accumulator
-                    counter = _contract_pow2(act_t, cols, w_down.view(nl.float8_e4m3), gi, sc2, down0, g2, tt_rows, w,
+                    counter = block_scale.contract_pow2(act_t, cols, w_down.view(nl.float8_e4m3), gi, sc2, down0, g2, tt_rows, w,
                                              out_slab, False, counter, vector_blocks)
