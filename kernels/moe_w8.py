@@ -156,7 +156,7 @@ def _scale_col(block0, nb, k, per_block):
     return (block0 + nb) * per_block + k
 
 
-def _contract(stationary, cols, weights, n_k, mode, rows, width):
+def _contract(stationary, cols, weights, n_k, rows, width):
     """output-block: sum_k stationary[:, k, cols].T @ weights[:, k, :] accumulated in PSUM ([rows, width], unscaled;
     the caller scales while evacuating)."""
     codes = weights.view(nl.float8_e4m3)
@@ -199,8 +199,8 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
             cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
             silu = nl.ndarray((tt_rows, w), dtype=nl.float32, buffer=nl.sbuf)
             if mode == OUTPUT_BLOCK:
-                gate = _contract(h_t, cols, w_gate, gh, mode, tt_rows, w)
-                up = _contract(h_t, cols, w_up, gh, mode, tt_rows, w)
+                gate = _contract(h_t, cols, w_gate, gh, tt_rows, w)
+                up = _contract(h_t, cols, w_up, gh, tt_rows, w)
                 for nb in range(w // P):
                     blk = slice(nb * P, (nb + 1) * P)
                     c = _scale_col(gate0, nb, 0, g13)
@@ -264,7 +264,7 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
                 cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
                 out_slab = acc[:, tt, h0:h0 + w]
                 if mode == OUTPUT_BLOCK:
-                    res = _contract(act_t, cols, w_down, gi, mode, tt_rows, w)
+                    res = _contract(act_t, cols, w_down, gi, tt_rows, w)
                     for nb in range(w // P):
                         c = _scale_col(down0, nb, 0, g2)
                         out_blk = out_slab[:, nb * P:(nb + 1) * P]
