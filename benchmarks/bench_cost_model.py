@@ -49,14 +49,17 @@ def _row(model, phase, tokens, dataflow, weights, stats, calls, roofline_s, scen
             "roofline_ms": roofline_s * 1e3, "device/roofline": est.time_s / roofline_s}
 
 
-def _fp8_rows(model, phase, tokens, dataflow, stats_of, roofline, calls_of=None) -> list[dict]:
-    """pow2 with each scenario's schedule (+ the default schedule under the other), output-block, in both scenarios."""
+def _fp8_rows(model, phase, tokens, dataflow, stats_of, roofline, dequant=False) -> list[dict]:
+    """pow2 with each scenario's schedule (+ the default schedule under the other), output-block (and the on-chip
+    dequantise-to-BF16 kernel when ``dequant``), in both scenarios."""
     rows = []
     for scenario in cal.SCENARIOS:
         runs = [("fp8 pow2", "pow2", scenario)]
         if scenario != DEFAULT:
             runs.append(("fp8 pow2 (default schedule)", "pow2", DEFAULT))
         runs.append(("fp8 output-block", "output-block", None))
+        if dequant:
+            runs.append(("fp8 dequant-bf16", md.DEQUANT, None))
         for weights, mode, sched in runs:
             vb = schedule.SCHEDULES[sched] if sched else None
             stats, calls = stats_of(mode, vb)
@@ -71,7 +74,7 @@ def kernel_choice_rows() -> list[dict]:
         fp8_roofline = md.weight_bytes(e, h, i) / cost.HBM_BYTES_PER_S
         for t in DECODE_TOKENS:
             rows += _fp8_rows(model, "decode", t, "dense", lambda mode, vb: (md.decode(mode, e, h, i, t, lim, vb), 1),
-                              fp8_roofline)
+                              fp8_roofline, dequant=True)
             for scenario in cal.SCENARIOS:
                 rows.append(_row(model, "decode", t, "dense", "bf16", md.bf16_decode(e, h, i, t), 1, fp8_roofline, scenario))
             print(f"  {model} decode T={t} done", flush=True)

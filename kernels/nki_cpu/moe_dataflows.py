@@ -29,9 +29,19 @@ from .machine import Stats
 from .reference_dataflows import bf16_compiled, combine, difference
 
 MODES = ("pow2", "output-block")
+DEQUANT = "dequant-bf16"  # kernels/moe_w8_dequant.py: pow2's weights, dequantised to bf16 on chip (decode rows)
+
+
+def _kernel(mode: str):
+    if mode == DEQUANT:
+        from ..moe_w8_dequant import moe_w8_dequant_bf16
+
+        return moe_w8_dequant_bf16
+    return launch.KERNELS[mode]
 
 
 def _weights(mode: str, experts: int, hidden: int, inter: int) -> host.KernelWeights:
+    mode = "pow2" if mode == DEQUANT else mode
     g13, g2 = (hidden // 128, inter // 128) if mode == "pow2" else (1, 1)
     block = (128, 128) if mode == "pow2" else (128, 0)
     w13 = torch.zeros(experts, 2 * inter, hidden, dtype=torch.uint8)
@@ -49,7 +59,7 @@ def interpreted(mode: str, experts: int, hidden: int, inter: int, tokens: int, s
     x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
     aff = torch.full((tokens, experts), 1.0 / max(experts, 1))
     extra = {} if mode != "pow2" or vector_blocks is None else {"vector_blocks": int(vector_blocks)}
-    _, stats = run(launch.KERNELS[mode], *launch.kernel_args(x, aff, kw), float(swiglu_limit), **extra)
+    _, stats = run(_kernel(mode), *launch.kernel_args(x, aff, kw), float(swiglu_limit), **extra)
     return stats
 
 
