@@ -133,3 +133,15 @@ def test_neuron_check_on_cpu_prints_the_microbenchmarks(monkeypatch, tmp_path, c
     section = json.loads(out_json.read_text())["microbenchmarks"]
     assert section["ran_on"].startswith("NKI interpreter") and "chosen" not in section
     assert not (tmp_path / "cal.json").exists()
+
+
+def test_on_a_real_nki_host_the_pricing_runs_in_an_interpreter_child(monkeypatch, interpreted):
+    """Where the kernels are bound to AWS's nki, the interpreter's counts come from a child process forced onto the
+    interpreter; it gives the same figures as this process."""
+    from vllm_moe_w8.kernels import nki_api
+
+    monkeypatch.setattr(nki_api, "BACKEND", "nki")
+    child = mb.modelled_table()
+    for r in interpreted:
+        for scenario, value in r.modelled.items():
+            assert child[r.name][scenario] == pytest.approx(value, rel=1e-12)

@@ -197,16 +197,37 @@ def device_timer(kernel, tensors, constants, lnc: int, repeats: int = 5, device:
     return statistics.median(times[1:])
 
 
+def modelled_table() -> dict[str, dict[str, float]]:
+    """Every benchmark's modelled seconds per operation in both scenarios. Where the kernels here are bound to AWS's
+    nki (a Neuron host), the interpreter's counts come from a child process forced onto it
+    (``VLLM_MOE_W8_NKI=interpreter``), as neuron-check prices the MoE kernels."""
+    from vllm_moe_w8.kernels.nki_api import BACKEND
+
+    if BACKEND == "interpreter":
+        return {name: _modelled_per_op(name) for name in BENCHES}
+    import os
+    import subprocess
+    import sys
+
+    code = "import json; from vllm_moe_w8.neuron_glue import microbench as m; print(json.dumps(m.modelled_table()))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, VLLM_MOE_W8_NKI="interpreter"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"pricing the microbenchmarks in the interpreter failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_all(on_neuron: bool, lnc: int = 1, timer=None, device: str = "neuron") -> list[Result]:
     """Every microbenchmark: modelled per operation in both scenarios, and measured when on a Neuron host
     (``timer``: how one launch is timed, :func:`device_timer` on ``device`` by default)."""
     if timer is None and on_neuron:
         def timer(kernel, tensors, constants, lnc_):
             return device_timer(kernel, tensors, constants, lnc_, device=device)
+    modelled = modelled_table()
     results = []
     for name in BENCHES:
         unit = "s per DMA" if name.startswith("dma") else "s per instruction"
-        r = Result(name, unit, _modelled_per_op(name))
+        r = Result(name, unit, modelled[name])
         if on_neuron or timer is not None:
             r.measured = _device_per_op(name, lnc, timer)
         results.append(r)
