@@ -2,7 +2,9 @@
 
 The stand-in (tests/neuron_standin/, see its README) reproduces only the vllm-neuron signatures the glue
 uses; it is not vllm-neuron. Ranks of a TP/EP group run as threads of this process (its groups exchange
-tensors through a barrier), each building and loading the model as vllm-neuron's runner does.
+tensors through a barrier, in traceable custom ops), each building, loading and compiling the model as
+vllm-neuron's runner does (``vllm_neuron.vllm.worker.neuron_model_runner.load_model``). The NKI interpreter runs
+one kernel at a time (``neuron_glue.interpreter_hop``).
 """
 
 from __future__ import annotations
@@ -18,21 +20,6 @@ import torch
 from vllm_moe_w8 import tiny_models
 
 STANDIN = Path(__file__).parent / "neuron_standin"
-
-
-def serialise_kernel_runs(monkeypatch) -> None:
-    """One interpreted kernel at a time: the NKI interpreter keeps process-wide state (it is not thread-safe),
-    and here the ranks are threads of one process (on a Neuron host each rank is its own process)."""
-    from vllm_moe_w8.neuron_glue import experts
-
-    lock = threading.Lock()
-    runner = experts.run_kernels
-
-    def locked(*args, **kwargs):
-        with lock:
-            return runner(*args, **kwargs)
-
-    monkeypatch.setattr(experts._W8Routed, "w8_runner", staticmethod(locked))
 
 
 def put_standin_on_path() -> None:
