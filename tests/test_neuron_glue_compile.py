@@ -154,3 +154,44 @@ def test_cpu_compile_traces_every_bucket_on_meta(glue, family):
         out = call(model, name, x, torch.empty(tokens, dtype=torch.long, device="meta"), decode)
         assert out.device.type == "meta" and out.shape == (2,) + tuple(x.shape)
     assert len(rec.graphs) == len(DECODE_BUCKETS) + len(PREFILL_LENGTHS)
+
+
+def _old_dense_affinities(topk_weights, topk_ids, num_experts):
+    """FAULT: the affinities as they were, reading a tensor value in Python to check the ids."""
+    ids = topk_ids.long()
+    if bool((ids >= num_experts).any()):
+        raise ValueError("id out of range")
+    keep = ids >= 0
+    aff = torch.zeros(ids.shape[0], num_experts, dtype=torch.float32)
+    return aff.scatter_add_(1, torch.where(keep, ids, 0), torch.where(keep, topk_weights.float(), 0.0))
+
+
+def _host_scheduled(x, topk_weights, topk_ids, kw, *, lnc, swiglu_limit, where):
+    """FAULT: prefill through the token-grouped kernel on a host-built schedule (nonzero, .tolist(), tile counts as
+    kernel constants)."""
+    from vllm_moe_w8.neuron_glue import kernel_launch
+
+    return kernel_launch.run_grouped_experts(x, topk_weights, topk_ids, kw, lnc=lnc, swiglu_limit=swiglu_limit)
+
+
+@pytest.mark.parametrize("fault", ["value_read_in_affinities", "host_built_schedule"])
+def test_fault_twins_a_forward_reading_routing_values_does_not_compile(glue, tmp_path, monkeypatch, fault):
+    """The compile test's gate (fullgraph trace) refuses the two ways the forward used to read the routing."""
+    from vllm_moe_w8.kernels import host
+    from vllm_moe_w8.neuron_glue import experts
+
+    if fault == "value_read_in_affinities":
+        monkeypatch.setattr(host, "dense_affinities", _old_dense_affinities)
+    else:
+        monkeypatch.setattr(experts._W8Routed, "w8_runner", staticmethod(_host_scheduled))
+    path = st.write_family_checkpoint("qwen3_moe", tmp_path / "q3")
+    state, one = build(glue, "qwen3_moe", path, False, Recorder())
+    models = st.run_ranks(WORLD, one)
+
+    def step(rank):
+        state(rank)
+        return call(models[rank], "qwen3_moe", hidden(T_DECODE, 1), torch.arange(T_DECODE), True)
+
+    with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)) as info:  # graph break / data-dependent guard
+        st.run_ranks(WORLD, step)
+    assert ("dense_affinities" in str(info.value)) if fault == "value_read_in_affinities" else ("grouping.py" in str(info.value))
