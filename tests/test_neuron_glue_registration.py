@@ -248,3 +248,26 @@ def test_adopting_experts_on_a_neuron_host_without_a_launcher_is_an_error(standi
                 Qwen3MoeForCausalLM.from_configs(standin["config"].model_config.hf_config, None)
     finally:
         kernel_launch.backend.cache_clear()
+
+
+@pytest.mark.parametrize("arch_ckpt, names", [
+    ("qwen3", r"none of the trees read registers it"),
+    ("q35", r"whn09/vllm-neuron model/registry.py @3de9ea3"),
+])
+def test_architecture_missing_from_the_registry_is_refused_naming_the_trees(standin, qwen3, q35, monkeypatch, arch_ckpt, names):
+    """A stock vllm-neuron whose get_models() does not list the architecture: refused at start-up (vLLM would resolve
+    its own class, which vllm-neuron's runner cannot build), naming the trees that register it."""
+    from vllm_moe_w8.neuron_glue import interfaces, registration
+
+    cls = platform()
+    registration.install(cls)
+    from vllm_neuron.model import registry
+
+    path = qwen3 if arch_ckpt == "qwen3" else q35
+    config = st.vllm_config(path)
+    cls.check_and_update_config(config)  # the stand-in's registry lists both
+    arch = config.model_config.hf_config.architectures[0]
+    listed = registry.get_models
+    monkeypatch.setattr(registry, "get_models", lambda: [(a, c) for a, c in listed() if a != arch])
+    with pytest.raises(interfaces.NeuronGlueError, match=rf"{arch}: vllm-neuron 0\.24\.0\.standin's registry .* does not list it.*{names}"):
+        cls.check_and_update_config(config)

@@ -69,9 +69,23 @@ def _entry_state(target) -> str:
         factory = interfaces.import_attr(*target.factory)
     except Exception as exc:  # noqa: BLE001  (a broken vllm-neuron is an inventory line, not a crash)
         return f"missing in vllm-neuron {interfaces.vllm_neuron_version()} ({type(exc).__name__}: {exc})"
+    listed = _registry_listing(target)
     if getattr(getattr(factory, "from_configs", None), registration.WRAPPED, False):
-        return f"wrapped (vllm-neuron {interfaces.vllm_neuron_version()})"
-    return f"present in vllm-neuron {interfaces.vllm_neuron_version()}, not wrapped (vllm_moe_w8.register() has not run here)"
+        return f"wrapped (vllm-neuron {interfaces.vllm_neuron_version()}; {listed})"
+    return (f"present in vllm-neuron {interfaces.vllm_neuron_version()}, not wrapped (vllm_moe_w8.register() has not run "
+            f"here; {listed})")
+
+
+def _registry_listing(target) -> str:
+    """Which of the target's architectures the installed registry (get_models()) lists."""
+    try:
+        models = dict(interfaces.import_attr(*registration.REGISTRY)())
+    except Exception as exc:  # noqa: BLE001  (an inventory line, not a crash)
+        return f"registry unreadable: {type(exc).__name__}: {exc}"
+    listed = [a for a in target.architectures if a in models]
+    missing = [a for a in target.architectures if a not in models]
+    return (f"registry lists {', '.join(listed) or 'none'}" + (f"; not listed: {', '.join(missing)} (refused: "
+            f"{'; '.join(registration.REGISTERED_IN.get(a, 'none known') for a in missing)})" if missing else ""))
 
 
 def platform_quantizations() -> list[str] | str:

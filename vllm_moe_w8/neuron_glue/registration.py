@@ -76,8 +76,39 @@ def _precheck_config(vllm_config) -> None:
         raise NeuronGlueError(err)
     model_config = vllm_config.model_config
     arch = architecture_of(model_config.hf_config)
-    interfaces.resolve_target(arch)
+    target, factory, _ = interfaces.resolve_target(arch)
+    check_registered(arch, factory)
     settings.resolve(quant_config_of(model_config.hf_config), getattr(vllm_config, "additional_config", None))
+
+
+# The public vllm-neuron trees read (DEVELOPING.md pins the files) whose registry (model/registry.py get_models())
+# lists each architecture neuron-w8 adopts; vLLM resolves an unlisted architecture to its own model class,
+# which vllm-neuron's runner cannot build.
+REGISTERED_IN = {
+    "Qwen3MoeForCausalLM": "none of the trees read registers it (vllm-project/vllm-neuron model/registry.py @5528be7, "
+                           "jinhuang12/vllm-neuron and whn09/vllm-neuron list no Qwen3MoeForCausalLM, although "
+                           "upstream has model/qwen3_moe/)",
+    "Qwen3_5MoeForConditionalGeneration": "whn09/vllm-neuron model/registry.py @3de9ea3",
+}
+REGISTRY = ("vllm_neuron.model.registry", "get_models")
+
+
+def check_registered(arch: str, factory: type) -> None:
+    """The installed vllm-neuron's registry lists ``arch`` with the factory neuron-w8 wraps, else refuse naming the trees."""
+    version = interfaces.vllm_neuron_version()
+    try:
+        models = dict(interfaces.import_attr(*REGISTRY)())
+    except Exception as e:  # noqa: BLE001  (any failure: the registry cannot be read)
+        raise NeuronGlueError(f"neuron-w8 on Neuron: cannot read vllm-neuron {version}'s {'.'.join(REGISTRY)}() ({e})") from e
+    registered = models.get(arch)
+    if registered is None or not (isinstance(registered, type) and issubclass(registered, factory) or registered is factory):
+        found = "does not list it" if registered is None else f"maps it to {registered!r}, not {factory.__module__}.{factory.__name__}"
+        raise NeuronGlueError(
+            f"neuron-w8 on Neuron: architecture {arch}: vllm-neuron {version}'s registry ({'.'.join(REGISTRY)}()) {found}, "
+            f"so vLLM would build a model class vllm-neuron cannot run. vllm-neuron trees whose registry lists "
+            f"{arch}: {REGISTERED_IN.get(arch, 'none known')}. Install one of those, or serve without --quantization "
+            "neuron-w8"
+        )
 
 
 def architecture_of(hf_config) -> str:
