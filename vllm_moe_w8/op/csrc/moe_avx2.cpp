@@ -219,15 +219,17 @@ void matmul_rows(const Matrix& mat, int64_t n0, int64_t n1, const float* const* 
 extern "C" {
 
 // Returns 0 on success, 1 for unsupported shapes, 2 (and *bad_id) for an expert id >= E.
-//   x [T, H] float32; x_planes is unused here (the float32 inputs are used as they are);
+//   x [T, H] float32; x_planes is unused here (the float32 inputs are used as they are); h_planes must be 0
+//   (h stays float32: FMA needs no bf16 planes);
 //   topk_ids [T, k] (int32 if ids_are_int32 else int64, < 0: not on this rank); topk_weights [T, k] float32;
 //   w13 [E, 2I, H] codes, w13_s [E, 2*gI, gH]; w2 [E, H, I] codes, w2_s [E, gH2, gI2];
 //   out: [T, H] float32, zero on entry, accumulated.
-int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I, int64_t E,
+int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_t H, int64_t I, int64_t E,
                    const uint8_t* w13, const float* w13_s, const uint8_t* w2, const float* w2_s,
                    const void* topk_ids, int ids_are_int32, const float* topk_weights, int64_t K_top,
                    int64_t bn, int64_t bk, float swiglu_limit, int nthreads, float* out, int64_t* bad_id) {
-  (void)x_planes;
+  (void)x_planes;  // float32 FMA: every input dtype is exact
+  if (h_planes != 0) return 1;  // h stays float32 here (0); rounding it to bf16 would buy nothing
   using namespace moe_w8;
   if (H % 16 || I % 16 || (bk && bk % 16)) return 1;
   const Grid grid(H, I, bn, bk);

@@ -10,8 +10,10 @@
 //           the high byte of the bf16 bits), then the sign bit is or-ed in -- no rounding anywhere.
 //   dot:    vdpbf16ps multiplies bf16 pairs exactly into float32 and accumulates in float32. The activations
 //           are split into bf16 "planes" that sum to them: a bf16 input is one plane, float16 two, float32
-//           three (8 + 8 + 8 significant bits: exact); h = silu(gate) * up is split into two planes, which
-//           represent it to 2^-18 relative -- below the float32 summation error of the dot products it feeds.
+//           three (8 + 8 + 8 significant bits: exact). h = silu(gate) * up (float32) is split into h_planes
+//           planes: two represent it to 2^-18 relative -- below the float32 summation error of the dot
+//           products it feeds (the exact path); one is h rounded to nearest bf16 (2^-9 relative), what
+//           vLLM's BF16 MoE does with its intermediate, and half the down projection's dot products.
 //   scale:  the sum over one (bn, bk) tile of code_value * activation is multiplied by the tile's float32
 //           scale and added to the row's float32 total.
 //
@@ -295,20 +297,19 @@ void matmul_rows(const Matrix& mat, int64_t n0, int64_t n1, const Acts& xs, int6
   }
 }
 
-constexpr int kHPlanes = 2;  // planes of h = silu(gate) * up (see the header comment)
-
 }  // namespace
 
 extern "C" {
 
 // Same contract as the AVX2 variant's moe_w8_forward; x_planes: 1 if every x value is a bf16, 2 if a
-// float16, 3 for float32. Returns 1 (unsupported) unless H, I are multiples of 16 and bk of 64 (or 0).
-int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I, int64_t E,
+// float16, 3 for float32; h_planes: bf16 planes of h (2: exact, 1: h rounded to bf16). Returns 1
+// (unsupported) unless H, I are multiples of 16 and bk of 64 (or 0).
+int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_t H, int64_t I, int64_t E,
                    const uint8_t* w13, const float* w13_s, const uint8_t* w2, const float* w2_s,
                    const void* topk_ids, int ids_are_int32, const float* topk_weights, int64_t K_top,
                    int64_t bn, int64_t bk, float swiglu_limit, int nthreads, float* out, int64_t* bad_id) {
   using namespace moe_w8;
-  if (H % 16 || I % 16 || (bk && bk % kGroup) || x_planes < 1 || x_planes > 3) return 1;
+  if (H % 16 || I % 16 || (bk && bk % kGroup) || x_planes < 1 || x_planes > 3 || h_planes < 1 || h_planes > 2) return 1;
   const Grid grid(H, I, bn, bk);
   Routing routing;
   if (!group_by_expert(topk_ids, ids_are_int32, topk_weights, T, K_top, E, routing, bad_id)) return 2;
@@ -318,9 +319,9 @@ int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I
   const int64_t Hp = padded(H), Ip = padded(I);
   const Tables tables = make_tables();
 
-  // Activation planes: x per token [T][x_planes][Hp], h per pair [P][kHPlanes][Ip] (each row written once).
+  // Activation planes: x per token [T][x_planes][Hp], h per pair [P][h_planes][Ip] (each row written once).
   std::unique_ptr<uint16_t[]> xq(new uint16_t[T * x_planes * Hp]);
-  std::unique_ptr<uint16_t[]> hq(new uint16_t[P * kHPlanes * Ip]);
+  std::unique_ptr<uint16_t[]> hq(new uint16_t[P * h_planes * Ip]);
   const int64_t chunk1 = std::max<int64_t>(kGroup, phase1_chunk(n_active, I, nthreads, kGroup));  // whole groups
   const int64_t chunks1 = (I + chunk1 - 1) / chunk1;
   const int64_t items1 = n_active * chunks1;
@@ -366,7 +367,7 @@ int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I
       for (int64_t j = 0; j < cnt; ++j) {
         for (int64_t i = 0; i < ni; ++i) tmp[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
         std::fill(tmp.begin() + ni, tmp.begin() + padded(ni), 0.0f);  // the zero padding of h past I
-        for (int64_t k = 0; k < ni; k += kGroup) split_group(tmp.data() + k, kHPlanes, hq.get() + (p0 + j) * kHPlanes * Ip + i0 + k, Ip);
+        for (int64_t k = 0; k < ni; k += kGroup) split_group(tmp.data() + k, h_planes, hq.get() + (p0 + j) * h_planes * Ip + i0 + k, Ip);
       }
     }
     // (implicit barrier: every h row is complete)
@@ -378,8 +379,8 @@ int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I
         const int64_t e = routing.experts[a];
         const int64_t p0 = routing.offsets[a], cnt = routing.offsets[a + 1] - p0;
         rows.resize(cnt);
-        for (int64_t j = 0; j < cnt; ++j) rows[j] = hq.get() + (p0 + j) * kHPlanes * Ip;
-        const Acts hs{rows.data(), kHPlanes, Ip};
+        for (int64_t j = 0; j < cnt; ++j) rows[j] = hq.get() + (p0 + j) * h_planes * Ip;
+        const Acts hs{rows.data(), h_planes, Ip};
         const Matrix d{w2 + e * H * I, w2_s + e * grid.gH2 * grid.gI2, I, bn, bk, grid.gI2};
         matmul_rows(d, n0, n1, hs, cnt, tables, panel.get(), [&](int64_t j, int64_t n, float v) {
           out[routing.tokens[p0 + j] * H + n] += routing.weights[p0 + j] * v;
