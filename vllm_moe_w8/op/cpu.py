@@ -19,8 +19,9 @@ Two implementations (both touch only the routed experts and group tokens by expe
     scale -- the same float32 weight as ``fp8.dequantize`` -- and FMA; h stays float32.
   An expert routed to <= 8 tokens has each group of codes decoded in registers and used at once by all its
   tokens (memory-bound, reads 1 byte per weight); more tokens (prefill): four rows are decoded into an
-  L1-resident panel that register tiles of (row, token) dot products reuse. One OpenMP region per call with
-  ``torch.get_num_threads()`` threads (torch's own libgomp). Codes must be finite in their format (repack and
+  L1-resident panel that register tiles of (row, token) dot products reuse. ``torch.get_num_threads()`` threads:
+  the caller and helpers that claim work items from atomic counters; the caller never waits for a helper to
+  start (on a busy machine an OpenMP region's barriers wait for every thread to be scheduled). Codes must be finite in their format (repack and
   the checkpoint validation guarantee it).
 * ``torch`` (the portable fallback): dequantises each routed expert once per call and uses torch
   matmuls (exact, float32 h). Used where no native variant fits the CPU, the build fails, or the shapes are

@@ -10,8 +10,8 @@ Two variants of the same kernel, one per instruction-set level (:data:`ISAS`):
 ``VLLM_MOE_W8_CPU_ISA`` (``avx512bf16``, ``avx2``, ``torch`` for the portable torch path, ``auto``); forcing a
 variant the CPU cannot run is an error naming the missing flags. ``VLLM_MOE_W8_NATIVE=0`` means ``torch``.
 
-Each variant is a plain C++ shared library (no torch headers) loaded with ctypes; its OpenMP threads come
-from the libgomp torch already loaded. It is compiled at first use by :mod:`vllm_moe_w8.codec.cxx_build`
+Each variant is a plain C++ shared library (no torch headers) loaded with ctypes; its threads are the caller and
+detached helpers (``moe_common.h``, ``run_phases``). It is compiled at first use by :mod:`vllm_moe_w8.codec.cxx_build`
 into ``$TORCH_EXTENSIONS_DIR/vllm_moe_w8`` (default ``~/.cache/torch_extensions``), keyed by a hash of the
 sources, flags and compiler, written atomically so concurrent workers can race safely. :func:`load` returns ``None`` (and says why, via
 :func:`unavailable_reason`) when no variant fits the CPU, no C++ compiler is found or the build fails; the
@@ -143,7 +143,7 @@ def load(isa: str | None = None):
         return None
     if isa in _libs or isa in _reasons:
         return _libs.get(isa)
-    import torch  # noqa: F401  -- torch's libgomp must be loaded first so the kernel shares its OpenMP runtime
+    import torch  # noqa: F401  -- torch's libgomp loaded first (the library is built with -fopenmp)
 
     try:
         lib = ctypes.CDLL(str(build(isa)))

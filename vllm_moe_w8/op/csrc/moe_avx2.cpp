@@ -1,8 +1,8 @@
 // Native CPU body of the neuron-w8 MoE op, AVX2 + FMA + F16C variant: exact FP8-weight MoE with 1-byte experts.
 //
 // Built at first use by vllm_moe_w8/op/native.py (g++ -O3 -mavx2 -mfma -mf16c -fopenmp) on hosts whose best
-// instruction set is AVX2 (or when VLLM_MOE_W8_CPU_ISA=avx2), loaded with ctypes; no torch headers. OpenMP threads
-// come from the same libgomp torch uses (already loaded, same soname), their number is passed in.
+// instruction set is AVX2 (or when VLLM_MOE_W8_CPU_ISA=avx2), loaded with ctypes; no torch headers. Threads: the
+// caller and nthreads - 1 helpers that it never waits to start (moe_common.h, run_phases).
 //
 // Numbers: each weight is the float32 product code_value * tile_scale, rounded once -- exactly what
 // fp8.dequantize computes -- and every sum is accumulated in float32.
@@ -22,7 +22,6 @@
 // Never a whole expert is dequantised; each routed expert's codes are decoded once per call per token block.
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -253,51 +252,51 @@ int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_
   const int64_t items2 = (H + chunk2 - 1) / chunk2;
   const int threads = threads_for(n_active, H, I, nthreads);
 
-  // One parallel region (one thread wake-up per call); the barrier after phase 1 publishes h.
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> panel(kPanelRows * std::max(H, I));
+  struct Scratch {
+    std::vector<float> panel;
     std::vector<const float*> xs;
     std::vector<float> gate, up;
-    // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p).
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items1; ++item) {
-      const int64_t a = item / chunks1, c = item % chunks1;
+  };
+  auto make = [&] { return Scratch{std::vector<float>(kPanelRows * std::max(H, I)), {}, {}, {}}; };
+  // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p); items (expert, chunk of rows).
+  auto phase1 = [&](int64_t item, Scratch& s) {
+    const int64_t a = item / chunks1, c = item % chunks1;
+    const int64_t e = experts[a];
+    const int64_t p0 = offsets[a], cnt = offsets[a + 1] - p0;
+    const int64_t i0 = c * chunk1, i1 = std::min(I, i0 + chunk1), ni = i1 - i0;
+    s.xs.resize(cnt);
+    for (int64_t j = 0; j < cnt; ++j) s.xs[j] = x + pair_tokens[p0 + j] * H;
+    s.gate.resize(cnt * ni);
+    s.up.resize(cnt * ni);
+    const Matrix g{w13 + e * 2 * I * H, w13_s + e * 2 * gI * gH, H, bn, bk, gH};
+    const Matrix u{w13 + (e * 2 * I + I) * H, w13_s + (e * 2 * gI + gI) * gH, H, bn, bk, gH};
+    float* gp = s.gate.data();
+    float* upp = s.up.data();
+    matmul_rows(g, i0, i1, s.xs.data(), cnt, s.panel.data(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
+    matmul_rows(u, i0, i1, s.xs.data(), cnt, s.panel.data(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
+    for (int64_t j = 0; j < cnt; ++j) {
+      float* hrow = h + (p0 + j) * I + i0;
+      for (int64_t i = 0; i < ni; ++i) hrow[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
+    }
+  };
+  // Phase 2 (every h row complete): out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
+  auto phase2 = [&](int64_t item, Scratch& s) {
+    const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
+    for (int64_t a = 0; a < n_active; ++a) {
       const int64_t e = experts[a];
       const int64_t p0 = offsets[a], cnt = offsets[a + 1] - p0;
-      const int64_t i0 = c * chunk1, i1 = std::min(I, i0 + chunk1), ni = i1 - i0;
-      xs.resize(cnt);
-      for (int64_t j = 0; j < cnt; ++j) xs[j] = x + pair_tokens[p0 + j] * H;
-      gate.resize(cnt * ni);
-      up.resize(cnt * ni);
-      const Matrix g{w13 + e * 2 * I * H, w13_s + e * 2 * gI * gH, H, bn, bk, gH};
-      const Matrix u{w13 + (e * 2 * I + I) * H, w13_s + (e * 2 * gI + gI) * gH, H, bn, bk, gH};
-      float* gp = gate.data();
-      float* upp = up.data();
-      matmul_rows(g, i0, i1, xs.data(), cnt, panel.data(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
-      matmul_rows(u, i0, i1, xs.data(), cnt, panel.data(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
-      for (int64_t j = 0; j < cnt; ++j) {
-        float* hrow = h + (p0 + j) * I + i0;
-        for (int64_t i = 0; i < ni; ++i) hrow[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
-      }
+      s.xs.resize(cnt);
+      for (int64_t j = 0; j < cnt; ++j) s.xs[j] = h + (p0 + j) * I;
+      const Matrix d{w2 + e * H * I, w2_s + e * gH2 * gI2, I, bn, bk, gI2};
+      matmul_rows(d, n0, n1, s.xs.data(), cnt, s.panel.data(), [&](int64_t j, int64_t n, float v) {
+        out[pair_tokens[p0 + j] * H + n] += pair_weights[p0 + j] * v;
+      });
     }
-    // (implicit barrier: every h row is complete)
-    // Phase 2: out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items2; ++item) {
-      const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
-      for (int64_t a = 0; a < n_active; ++a) {
-        const int64_t e = experts[a];
-        const int64_t p0 = offsets[a], cnt = offsets[a + 1] - p0;
-        xs.resize(cnt);
-        for (int64_t j = 0; j < cnt; ++j) xs[j] = h + (p0 + j) * I;
-        const Matrix d{w2 + e * H * I, w2_s + e * gH2 * gI2, I, bn, bk, gI2};
-        matmul_rows(d, n0, n1, xs.data(), cnt, panel.data(), [&](int64_t j, int64_t n, float v) {
-          out[pair_tokens[p0 + j] * H + n] += pair_weights[p0 + j] * v;
-        });
-      }
-    }
-  }
+  };
+  run_phases<Scratch>({items1, items2}, threads, make, [&](int phase, int64_t item, Scratch& s) {
+    if (phase == 0) phase1(item, s);
+    else phase2(item, s);
+  });
   return 0;
 }
 

@@ -28,7 +28,6 @@
 // L1-resident bf16 panel that a 4 x 3 register tile of (row, pair) dot products reuses (prefill).
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -336,58 +335,59 @@ int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_
     for (int64_t t = 0; t < T; ++t) split_row(x + t * H, H, x_planes, xq.get() + t * x_planes * Hp, Hp, tmp.data());
   }
 
-#pragma omp parallel num_threads(threads)
-  {
-    std::unique_ptr<uint16_t[]> panel(new uint16_t[kPanelRows * std::max(Hp, Ip)]);
-    std::vector<float> tmp(std::max(Hp, chunk1));
+  struct Scratch {
+    std::unique_ptr<uint16_t[]> panel;
+    std::vector<float> tmp, gate, up;
     std::vector<const uint16_t*> rows;
-    std::vector<float> gate, up;
-    if (!split_serially) {
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) split_row(x + t * H, H, x_planes, xq.get() + t * x_planes * Hp, Hp, tmp.data());
+  };
+  auto make = [&] { return Scratch{std::unique_ptr<uint16_t[]>(new uint16_t[kPanelRows * std::max(Hp, Ip)]),
+                                   std::vector<float>(std::max(Hp, chunk1)), {}, {}, {}}; };
+  // Phase 0 (many tokens): x split into planes, one token per item.
+  auto split_x = [&](int64_t t, Scratch& s) { split_row(x + t * H, H, x_planes, xq.get() + t * x_planes * Hp, Hp, s.tmp.data()); };
+  // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p), stored as planes; items (expert, chunk of rows).
+  auto phase1 = [&](int64_t item, Scratch& s) {
+    const int64_t a = item / chunks1, c = item % chunks1;
+    const int64_t e = routing.experts[a];
+    const int64_t p0 = routing.offsets[a], cnt = routing.offsets[a + 1] - p0;
+    const int64_t i0 = c * chunk1, i1 = std::min(I, i0 + chunk1), ni = i1 - i0;
+    s.rows.resize(cnt);
+    for (int64_t j = 0; j < cnt; ++j) s.rows[j] = xq.get() + routing.tokens[p0 + j] * x_planes * Hp;
+    const Acts xs{s.rows.data(), x_planes, Hp};
+    s.gate.resize(cnt * ni);
+    s.up.resize(cnt * ni);
+    const Matrix g{w13 + e * 2 * I * H, w13_s + e * 2 * grid.gI * grid.gH, H, bn, bk, grid.gH};
+    const Matrix u{w13 + (e * 2 * I + I) * H, w13_s + (e * 2 * grid.gI + grid.gI) * grid.gH, H, bn, bk, grid.gH};
+    float* gp = s.gate.data();
+    float* upp = s.up.data();
+    matmul_rows(g, i0, i1, xs, cnt, tables, s.panel.get(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
+    matmul_rows(u, i0, i1, xs, cnt, tables, s.panel.get(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
+    float* tmp = s.tmp.data();
+    for (int64_t j = 0; j < cnt; ++j) {
+      for (int64_t i = 0; i < ni; ++i) tmp[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
+      std::fill(tmp + ni, tmp + padded(ni), 0.0f);  // the zero padding of h past I
+      for (int64_t k = 0; k < ni; k += kGroup) split_group(tmp + k, h_planes, hq.get() + (p0 + j) * h_planes * Ip + i0 + k, Ip);
     }
-    // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p), stored as planes.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items1; ++item) {
-      const int64_t a = item / chunks1, c = item % chunks1;
+  };
+  // Phase 2: out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
+  auto phase2 = [&](int64_t item, Scratch& s) {
+    const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
+    for (int64_t a = 0; a < n_active; ++a) {
       const int64_t e = routing.experts[a];
       const int64_t p0 = routing.offsets[a], cnt = routing.offsets[a + 1] - p0;
-      const int64_t i0 = c * chunk1, i1 = std::min(I, i0 + chunk1), ni = i1 - i0;
-      rows.resize(cnt);
-      for (int64_t j = 0; j < cnt; ++j) rows[j] = xq.get() + routing.tokens[p0 + j] * x_planes * Hp;
-      const Acts xs{rows.data(), x_planes, Hp};
-      gate.resize(cnt * ni);
-      up.resize(cnt * ni);
-      const Matrix g{w13 + e * 2 * I * H, w13_s + e * 2 * grid.gI * grid.gH, H, bn, bk, grid.gH};
-      const Matrix u{w13 + (e * 2 * I + I) * H, w13_s + (e * 2 * grid.gI + grid.gI) * grid.gH, H, bn, bk, grid.gH};
-      float* gp = gate.data();
-      float* upp = up.data();
-      matmul_rows(g, i0, i1, xs, cnt, tables, panel.get(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
-      matmul_rows(u, i0, i1, xs, cnt, tables, panel.get(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
-      for (int64_t j = 0; j < cnt; ++j) {
-        for (int64_t i = 0; i < ni; ++i) tmp[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
-        std::fill(tmp.begin() + ni, tmp.begin() + padded(ni), 0.0f);  // the zero padding of h past I
-        for (int64_t k = 0; k < ni; k += kGroup) split_group(tmp.data() + k, h_planes, hq.get() + (p0 + j) * h_planes * Ip + i0 + k, Ip);
-      }
+      s.rows.resize(cnt);
+      for (int64_t j = 0; j < cnt; ++j) s.rows[j] = hq.get() + (p0 + j) * h_planes * Ip;
+      const Acts hs{s.rows.data(), h_planes, Ip};
+      const Matrix d{w2 + e * H * I, w2_s + e * grid.gH2 * grid.gI2, I, bn, bk, grid.gI2};
+      matmul_rows(d, n0, n1, hs, cnt, tables, s.panel.get(), [&](int64_t j, int64_t n, float v) {
+        out[routing.tokens[p0 + j] * H + n] += routing.weights[p0 + j] * v;
+      });
     }
-    // (implicit barrier: every h row is complete)
-    // Phase 2: out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items2; ++item) {
-      const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
-      for (int64_t a = 0; a < n_active; ++a) {
-        const int64_t e = routing.experts[a];
-        const int64_t p0 = routing.offsets[a], cnt = routing.offsets[a + 1] - p0;
-        rows.resize(cnt);
-        for (int64_t j = 0; j < cnt; ++j) rows[j] = hq.get() + (p0 + j) * h_planes * Ip;
-        const Acts hs{rows.data(), h_planes, Ip};
-        const Matrix d{w2 + e * H * I, w2_s + e * grid.gH2 * grid.gI2, I, bn, bk, grid.gI2};
-        matmul_rows(d, n0, n1, hs, cnt, tables, panel.get(), [&](int64_t j, int64_t n, float v) {
-          out[routing.tokens[p0 + j] * H + n] += routing.weights[p0 + j] * v;
-        });
-      }
-    }
-  }
+  };
+  run_phases<Scratch>({split_serially ? 0 : T, items1, items2}, threads, make, [&](int phase, int64_t item, Scratch& s) {
+    if (phase == 0) split_x(item, s);
+    else if (phase == 1) phase1(item, s);
+    else phase2(item, s);
+  });
   return 0;
 }
 
