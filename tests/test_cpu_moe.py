@@ -346,3 +346,24 @@ def test_tile_width_outside_avx512_groups_uses_avx2_and_says_so(fresh_native, ca
     assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 32, 32, "e4m3")
     messages = [r.getMessage() for r in caplog.records]
     assert any("avx512bf16 kernel is not used" in m and "not covered" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLEMENTATIONS if i != "torch"])
+def test_thread_count_and_scheduling_do_not_change_a_bit(impl):
+    """Work items own disjoint outputs and each sums in a fixed order, so the caller-plus-helpers scheduling gives
+    the same bits with 1 thread and with more threads than cores (helpers that start late or never)."""
+    e, h, inter, k, t = 16, 512, 256, 4, 40  # ~6 MB of routed codes: above the single-thread threshold
+    w13, w13_s, w2, w2_s = make_experts(e, h, inter, (128, 128), "e4m3", seed=31)
+    gen = torch.Generator().manual_seed(32)
+    ids, wts = make_routing(t, k, e, gen)
+    x = torch.randn((t, h), generator=gen).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 7):
+            torch.set_num_threads(threads)
+            outs.append(_run(impl, x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3"))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert_matches_reference(outs[0], x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", h_rounded=h_bf16(impl))

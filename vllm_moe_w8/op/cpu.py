@@ -17,7 +17,7 @@ Two implementations (both touch only the routed experts and group tokens by expe
     rounds its intermediate -- half the down projection's dot products (see :func:`h_precision`).
   - ``avx2``: FP8 byte -> float16 bits with one shift/and/add, float16 -> float32 with F16C, times the tile's
     scale -- the same float32 weight as ``fp8.dequantize`` -- and FMA; h stays float32.
-  An expert routed to <= 8 tokens has each group of codes decoded in registers and used at once by all its
+  An expert routed to <= 3 tokens (8 on avx2) has each group of codes decoded in registers and used at once by all its
   tokens (memory-bound, reads 1 byte per weight); more tokens (prefill): four rows are decoded into an
   L1-resident panel that register tiles of (row, token) dot products reuse. ``torch.get_num_threads()`` threads:
   the caller and helpers that claim work items from atomic counters; the caller never waits for a helper to
