@@ -367,3 +367,30 @@ def test_thread_count_and_scheduling_do_not_change_a_bit(impl):
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert_matches_reference(outs[0], x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", h_rounded=h_bf16(impl))
+
+
+@pytest.mark.skipif("avx512bf16" not in HOST_ISAS, reason="needs an avx512bf16 host")
+def test_h_precision_is_chosen_logged_and_selectable(fresh_native, monkeypatch, caplog):
+    """BF16 activations get the BF16 h by default (and the log says so and why); VLLM_MOE_W8_CPU_H=exact gives the
+    exact path's bits; other dtypes stay exact; a bad value is named."""
+    w13, w13_s, w2, w2_s = make_experts(4, 256, 128, (128, 128), "e4m3", seed=41)
+    gen = torch.Generator().manual_seed(42)
+    ids, wts = make_routing(6, 2, 4, gen)
+    x = torch.randn((6, 256), generator=gen)
+    assert cpu_moe.h_precision(torch.bfloat16, "avx512bf16") == "bf16"
+    assert cpu_moe.h_precision(torch.float32, "avx512bf16") == cpu_moe.h_precision(torch.bfloat16, "avx2") == "exact"
+    assert "rounded to BF16" in cpu_moe.describe_path()
+    xb = x.bfloat16()
+    args = (wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
+        default = cpu_moe.fused_moe_cpu(xb, *args)
+    assert any("rounded to BF16" in r.getMessage() and "bfloat16 activations" in r.getMessage() for r in caplog.records)
+    rounded = cpu_moe.fused_moe_native(xb, *args, isa="avx512bf16", h_mode="bf16")
+    exact = cpu_moe.fused_moe_native(xb, *args, isa="avx512bf16", h_mode="exact")
+    assert torch.equal(default, rounded) and not torch.equal(rounded, exact)
+    monkeypatch.setenv(cpu_moe_native.ENV_H, "exact")
+    assert cpu_moe.h_precision(torch.bfloat16, "avx512bf16") == "exact" and "h exact" in cpu_moe.describe_path()
+    assert torch.equal(cpu_moe.fused_moe_cpu(xb, *args), exact)
+    monkeypatch.setenv(cpu_moe_native.ENV_H, "fast")
+    with pytest.raises(ValueError, match="VLLM_MOE_W8_CPU_H"):
+        cpu_moe.fused_moe_cpu(x.bfloat16(), wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")

@@ -1,4 +1,4 @@
-"""The exact CPU implementation of the MoE op (``torch.ops.moe_w8.fused_moe``'s CPU body).
+"""The CPU implementation of the MoE op (``torch.ops.moe_w8.fused_moe``'s CPU body).
 
 ``fused_moe_cpu`` computes ``out[t] = sum_j w[t, j] * W2_e (silu(W1_e x_t) * W3_e x_t)`` over the
 experts ``e = topk_ids[t, j] >= 0`` with every ``W`` the exactly dequantised weight (FP8 code x its
@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 
 import torch
 
@@ -234,6 +235,22 @@ def h_reason(x_dtype: torch.dtype, isa: str, precision: str) -> str:
     if x_dtype != torch.bfloat16:
         return f"h exact (two BF16 planes, 2^-18 relative: {x_dtype} activations)"
     return f"h exact (two BF16 planes, 2^-18 relative: {native.ENV_H}=exact)"
+
+
+def describe_path() -> str:
+    """The load log's words for what the CPU op will run: the selected variant and h's precision, and why."""
+    from vllm_moe_w8.op import native
+
+    isa = native.selected_isa()
+    forced = native.ENV_ISA + " set" if os.environ.get(native.ENV_ISA, "auto").strip().lower() not in ("", "auto") else "chosen for this CPU"
+    if isa == "torch":
+        return f"torch implementation ({native.unavailable_reason('torch')}); weights exact, h float32"
+    if isa != "avx512bf16":
+        return f"native {isa} kernel ({forced}); weights exact, h float32"
+    if native.h_choice() == "exact":
+        return f"native avx512bf16 kernel ({forced}); weights exact, h exact ({native.ENV_H}=exact)"
+    return (f"native avx512bf16 kernel ({forced}); weights exact; h = SiLU(gate)*up rounded to BF16 for BF16 activations "
+            f"as vLLM's BF16 MoE does ({native.ENV_H}=exact keeps it exact), exact for other dtypes")
 
 
 def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
