@@ -1,22 +1,26 @@
-"""One MoE layer on CPU at real shapes: neuron-w8's op (1-byte experts) vs vLLM's own CPU BF16 fused MoE.
+"""One MoE layer on CPU at real shapes: neuron-w8's op (1-byte experts) vs the fastest vLLM CPU kernel for the same
+checkpoint on this host.
 
-Side by side in one run, for each model shape and token count T:
+Side by side in one run, for each token count T:
 
-* ``w8``   -- ``vllm_moe_w8.op.cpu.fused_moe_cpu`` (the op's CPU body) with the native variant chosen by
-              ``--isa`` (default: the best this CPU runs), experts resident as uint8 codes + float32 scales;
-* ``vllm`` -- vLLM's own CPU BF16 MoE kernel ``torch.ops._C.cpu_fused_moe`` (isa "vec", prepacked weights over
-              the exactly dequantised experts): what vLLM runs for a BF16 model on this CPU (no AMX here).
+* ``w8``       -- ``vllm_moe_w8.op.cpu.fused_moe_cpu`` (the op's CPU body, its default path: on avx512bf16 with
+                  BF16 activations h rounded to BF16) with the native variant chosen by ``--isa``;
+* ``w8_exact`` -- the same kernel with the exact h (``VLLM_MOE_W8_CPU_H=exact``), where that is another path;
+* vLLM's kernels (:mod:`benchmarks.vllm_moe_kernels`): its FP8 W8A16 MoE where this CPU has it (AMX hosts; recorded
+  as "not available on this CPU" elsewhere), its BF16 MoE with the ISA it picks here (``amx`` or ``vec``) over
+  the exactly dequantised experts rounded to BF16 (the BF16 twin), and ``vec`` for continuity.
 
-Protocol: every call gets a fresh random top-k routing and fresh activations (both implementations see the
-same ones), so the routed experts' weights come from memory as successive layers of a real model see them,
-not from a cache warmed by the previous call; the implementations alternate call by call (the order flips
-every repetition); medians of wall time and of process CPU time. The goals (>= 1.3x vLLM's throughput at
-T <= 8, >= 1.0x at every T, expert memory <= 0.51x) are evaluated per row and recorded.
+Protocol: every call gets a fresh random top-k routing and fresh activations (all implementations see the same
+ones), so the routed experts' weights come from memory as successive layers of a real model see them; the
+implementations alternate call by call (order reversed every repetition); medians of wall and process CPU time.
+Goals, evaluated per row and recorded: >= 1.0x the fastest vLLM kernel for the checkpoint at every T; >= 1.3x vLLM
+BF16 at T <= 8 on hosts without AMX; expert memory <= 0.51x BF16. ``--check`` measures each path's error vs a
+float64 reference (BF16 in and out, and float32 in and out for w8's exact path).
 
-Prints a table and writes ``benchmarks/results/moe_op-<isa>.json`` (CPU model, ISA flags, load average).
+Writes ``benchmarks/results/moe_op-[amx-]<isa>[-forced][-<n>thread].json`` (CPU model, flags, load average).
 
-    .venv/bin/python -m benchmarks.bench_moe_op --models qwen35 --tokens 1 8 32 128 512
-    .venv/bin/python -m benchmarks.bench_moe_op --isa avx2 --tokens 1 8        # the AVX2 variant, forced
+    .venv/bin/python -m benchmarks.bench_moe_op --check
+    .venv/bin/python -m benchmarks.bench_moe_op --isa avx2 --tokens 1 8 64    # the AVX2 variant, forced
     .venv/bin/python -m benchmarks.bench_moe_op --threads 1    # one thread each: no thread scheduling in the ratio
 """
 
@@ -33,9 +37,11 @@ GOAL_SMALL_T, GOAL_ANY_T, GOAL_SMALL_T_MAX, GOAL_MEMORY = 1.3, 1.0, 8, 0.51
 MODELS = {
     # name: (hidden H, moe intermediate I, routed experts E, top-k)
     "qwen35": ("Qwen3.5-35B-A3B", 2048, 512, 256, 8),
+    "qwen3": ("Qwen3-30B-A3B", 2048, 768, 128, 8),
     "glm45air": ("GLM-4.5-Air", 4096, 1408, 128, 8),
 }
 BLOCK = (128, 128)
+CHECK_T = 16
 
 
 def random_experts(e, h, inter, gen):
@@ -71,27 +77,6 @@ def dequantized_bf16(w13, w13_s, w2, w2_s):
     return b13, b2
 
 
-def vllm_cpu_moe():
-    """vLLM's own CPU BF16 fused MoE as (prepack, run), or None if it cannot be called here."""
-    try:
-        import vllm._custom_ops as ops
-
-        if not hasattr(torch.ops._C, "cpu_fused_moe"):
-            return None
-    except Exception:
-        return None
-
-    def prepack(w13, w2):
-        return ops.cpu_prepack_moe_weight(w13, "vec"), ops.cpu_prepack_moe_weight(w2, "vec")
-
-    def run(x, topk_weights, topk_ids, p13, p2):
-        out = torch.empty_like(x)
-        ops.cpu_fused_moe(out, x, p13, p2, None, None, topk_weights, topk_ids, "silu", "vec")
-        return out
-
-    return prepack, run
-
-
 def fresh_inputs(t, h, e, k, gen):
     """A new routing (softmax top-k of random logits) and new bf16 activations."""
     topk_w, topk_ids = torch.softmax(torch.randn((t, e), generator=gen), -1).topk(k, dim=-1)
@@ -120,7 +105,24 @@ def reps_for(t: int, budget: int) -> int:
     return max(7, min(budget, budget * 8 // max(t, 8)))
 
 
-def bench_model(key, tokens, reps, check, experts_override=None, seed=0):
+def rel_err(out, ref) -> float:
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+def measure_errors(fns, w8_exact, h, e, k, gen, experts):
+    """Each path's max |out - float64 reference| / max |reference| at T = CHECK_T (BF16 in and out), and w8's
+    exact path with float32 in and out; the reference is over the exactly dequantised experts."""
+    from vllm_moe_w8.op.reference import reference_moe
+
+    x, tw, ti = fresh_inputs(CHECK_T, h, e, k, gen)
+    ref = reference_moe(x, tw, ti, *experts, *BLOCK, "e4m3", dtype=torch.float64)
+    errors = {name: rel_err(fn((x, tw, ti)), ref) for name, fn in fns.items()}
+    ref32 = reference_moe(x.float(), tw, ti, *experts, *BLOCK, "e4m3", dtype=torch.float64)
+    errors["w8_exact (float32 in/out)"] = rel_err(w8_exact((x.float(), tw, ti)), ref32)
+    return {"T": CHECK_T, "metric": "max |out - float64 reference| / max |reference|", "errors": errors}
+
+
+def bench_model(key, tokens, reps, check, vllm_kernels, amx, experts_override=None, seed=0):
     from vllm_moe_w8.op import cpu as cpu_moe
 
     name, h, inter, e, k = MODELS[key]
@@ -129,59 +131,77 @@ def bench_model(key, tokens, reps, check, experts_override=None, seed=0):
     print(f"  preparing {name} experts (E={e}) ...", flush=True)
     w13, w13_s, w2, w2_s = random_experts(e, h, inter, gen)
     b13, b2 = dequantized_bf16(w13, w13_s, w2, w2_s)
-    vllm = vllm_cpu_moe()
-    if vllm is None:
-        raise SystemExit("vLLM's CPU fused MoE (torch.ops._C.cpu_fused_moe) is not available: nothing to compare with")
-    p13, p2 = vllm[0](b13, b2)
+    states = {n: kern.prepare(w13, w13_s, w2, w2_s, b13, b2) for n, kern in vllm_kernels.items()}
     del b13, b2
-    resident = {"w8": w13.nbytes + w2.nbytes + w13_s.nbytes + w2_s.nbytes, "vllm": p13.nbytes + p2.nbytes}
+    w8_bytes = w13.nbytes + w2.nbytes + w13_s.nbytes + w2_s.nbytes
+    bf16_bytes = 2 * (w13.numel() + w2.numel())
+    impl = cpu_moe.implementation(h, inter, BLOCK[1])
+    isa = impl.removeprefix("native-")
+    h_default = cpu_moe.h_precision(torch.bfloat16, isa) if impl != "torch" else "exact"
+    experts = (w13, w13_s, w2, w2_s)
+    fns = {"w8": lambda a: cpu_moe.fused_moe_cpu(a[0], a[1], a[2], *experts, *BLOCK, "e4m3")}
+    w8_exact = (lambda a: cpu_moe.fused_moe_native(a[0], a[1], a[2], *experts, *BLOCK, "e4m3", isa=isa, h_mode="exact")
+                ) if impl != "torch" else fns["w8"]
+    if h_default != "exact":
+        fns["w8_exact"] = w8_exact
+    for n, kern in vllm_kernels.items():
+        fns[n] = lambda a, kern=kern, st=states[n]: kern.run(a[0], a[1], a[2], st)
+    bf16_name = "vllm_bf16_amx" if amx else "vllm_bf16_vec"
     rows = []
     for t in tokens:
-        fns = {
-            "w8": lambda a: cpu_moe.fused_moe_cpu(a[0], a[1], a[2], w13, w13_s, w2, w2_s, *BLOCK, "e4m3"),
-            "vllm": lambda a: vllm[1](a[0], a[1], a[2], p13, p2),
-        }
-        n = reps_for(t, reps)
-        timing = interleaved(fns, lambda: fresh_inputs(t, h, e, k, gen), n)
-        row = {"model": name, "T": t, "reps": n}
-        for impl, (wall, cpu) in timing.items():
-            row[f"{impl}_ms"], row[f"{impl}_cpu_ms"] = 1e3 * wall, 1e3 * cpu
-        row["w8_vs_vllm"] = row["vllm_ms"] / row["w8_ms"]  # throughput ratio (> 1: w8 faster)
-        row["w8_vs_vllm_cpu"] = row["vllm_cpu_ms"] / row["w8_cpu_ms"]
-        row["goal"] = GOAL_SMALL_T if t <= GOAL_SMALL_T_MAX else GOAL_ANY_T
-        row["goal_met"] = row["w8_vs_vllm"] >= row["goal"]
-        if check and t == tokens[0]:
-            x, tw, ti = fresh_inputs(t, h, e, k, gen)
-            x = x.float()  # float32 in and out: a bf16 output would hide (or round up) float32-level differences
-            exact = cpu_moe.fused_moe_torch(x, tw, ti, w13, w13_s, w2, w2_s, *BLOCK, "e4m3")
-            got = cpu_moe.fused_moe_cpu(x, tw, ti, w13, w13_s, w2, w2_s, *BLOCK, "e4m3")
-            row["w8_max_rel_err_vs_exact_torch"] = float((got - exact).abs().max() / exact.abs().max())
-            row["check_dtype"] = "float32"
+        n_calls = reps_for(t, reps)
+        timing = interleaved(fns, lambda: fresh_inputs(t, h, e, k, gen), n_calls)
+        row = {"model": name, "T": t, "reps": n_calls}
+        for impl_name, (wall, cpu) in timing.items():
+            row[f"{impl_name}_ms"], row[f"{impl_name}_cpu_ms"] = 1e3 * wall, 1e3 * cpu
+        fastest = min(vllm_kernels, key=lambda n: row[f"{n}_ms"])
+        row["fastest_vllm"] = fastest
+        for other in vllm_kernels:
+            row[f"w8_vs_{other}"] = row[f"{other}_ms"] / row["w8_ms"]  # throughput ratio (> 1: w8 faster)
+        row["w8_vs_fastest"] = row[f"{fastest}_ms"] / row["w8_ms"]
+        row["w8_vs_fastest_cpu"] = row[f"{fastest}_cpu_ms"] / row["w8_cpu_ms"]
+        row["goal_fastest_met"] = row["w8_vs_fastest"] >= GOAL_ANY_T
+        if not amx and t <= GOAL_SMALL_T_MAX:
+            row["goal_bf16_small_t_met"] = row[f"w8_vs_{bf16_name}"] >= GOAL_SMALL_T
         rows.append(row)
-        print(_fmt_row(row), flush=True)
-    memory = resident["w8"] / resident["vllm"]
-    return {"model": name, "H": h, "I": inter, "E": e, "top_k": k, "resident_bytes": resident,
-            "memory_ratio": memory, "memory_goal": GOAL_MEMORY, "memory_goal_met": memory <= GOAL_MEMORY, "rows": rows}
+        print(_fmt_row(row, list(vllm_kernels), "w8_exact" in fns, bf16_name), flush=True)
+    res = {"model": name, "H": h, "I": inter, "E": e, "top_k": k, "w8_h": h_default,
+           "w8_h_reason": cpu_moe.h_reason(torch.bfloat16, isa, h_default) if impl != "torch" else "torch path: exact",
+           "resident_bytes": {"w8": w8_bytes, "bf16": bf16_bytes}, "memory_ratio": w8_bytes / bf16_bytes,
+           "memory_goal": GOAL_MEMORY, "memory_goal_met": w8_bytes / bf16_bytes <= GOAL_MEMORY, "rows": rows}
+    if check:
+        res["check"] = measure_errors({n: f for n, f in fns.items()}, w8_exact, h, e, k, gen, experts)
+        for n, err in res["check"]["errors"].items():
+            print(f"  error vs float64 at T={CHECK_T}: {n}: {err:.2e}")
+    return res
 
 
-def _fmt_row(r):
-    return (f"| {r['model']} | {r['T']} | {r['reps']} | {r['w8_ms']:.2f} | {r['vllm_ms']:.2f} | {r['w8_vs_vllm']:.2f}x "
-            f"| {r['w8_vs_vllm_cpu']:.2f}x | >= {r['goal']}x: {'met' if r['goal_met'] else 'NOT met'} |")
+def _fmt_row(r, vllm_names, with_exact, bf16_name):
+    cells = [r["T"], r["reps"], f"{r['w8_ms']:.2f}"] + ([f"{r['w8_exact_ms']:.2f}"] if with_exact else [])
+    cells += [f"{r[f'{n}_ms']:.2f}" for n in vllm_names]
+    cells += [f"{r['w8_vs_fastest']:.2f}x ({r['fastest_vllm']})", f"{r['w8_vs_fastest_cpu']:.2f}x",
+              f">= 1.0x: {'met' if r['goal_fastest_met'] else 'NOT met'}"]
+    if "goal_bf16_small_t_met" in r:
+        cells.append(f"{r[f'w8_vs_{bf16_name}']:.2f}x, >= 1.3x: {'met' if r['goal_bf16_small_t_met'] else 'NOT met'}")
+    else:
+        cells.append("")
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["qwen35"], choices=list(MODELS))
-    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512])
-    ap.add_argument("--reps", type=int, default=40, help="calls per implementation at T <= 8 (fewer, >= 7, above)")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8, 32, 64, 128, 256, 512])
+    ap.add_argument("--reps", type=int, default=30, help="calls per implementation at T <= 8 (fewer, >= 7, above)")
     ap.add_argument("--experts", type=int, default=None, help="override E (default: the model's)")
     ap.add_argument("--isa", default="auto", help="VLLM_MOE_W8_CPU_ISA for w8: auto, avx512bf16, avx2, torch")
-    ap.add_argument("--check", action="store_true", help="also compare w8 with the exact torch path at the first T")
+    ap.add_argument("--check", action="store_true", help=f"also measure each path's error vs float64 at T={CHECK_T}")
     ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: torch's)")
     a = ap.parse_args(argv)
     os.environ["VLLM_MOE_W8_CPU_ISA"] = a.isa
     if a.threads:
         torch.set_num_threads(a.threads)
+    from benchmarks import vllm_moe_kernels
     from benchmarks.common import write_json
     from vllm_moe_w8.op import cpu as cpu_moe
     from vllm_moe_w8.op import native as cpu_moe_native
@@ -189,22 +209,32 @@ def main(argv=None):
     impl = cpu_moe.implementation(MODELS[a.models[0]][1], MODELS[a.models[0]][2], BLOCK[1])  # builds before timing
     isa = impl.removeprefix("native-")
     forced = a.isa != "auto" and cpu_moe_native.host_isas()[:1] != [a.isa]
-    print(f"threads={torch.get_num_threads()}  w8 implementation: {impl}{' (forced)' if forced else ''}  "
-          f"load average at start: {os.getloadavg()[0]:.1f}")
-    print("ratios are throughput ratios w8 / vLLM BF16, medians of interleaved calls with fresh routings")
-    print("| model | T | calls | w8 ms | vLLM BF16 ms | w8/vLLM (wall) | w8/vLLM (CPU time) | goal |")
-    print("|---|---|---|---|---|---|---|---|")
-    results = {"w8_impl": impl, "isa": isa, "forced": forced, "models": []}
+    kernels, record = vllm_moe_kernels.kernels(BLOCK)
+    amx = record["bf16_isa"] == "amx"
     load_start = os.getloadavg()
+    print(f"threads={torch.get_num_threads()}  w8 implementation: {impl}{' (forced)' if forced else ''}  "
+          f"load average at start: {load_start[0]:.1f}")
+    print(f"vLLM here: BF16 isa {record['bf16_isa']} ({record['bf16_isa_reason']}); FP8: {record['fp8']}; "
+          f"zentorch: {record['zentorch']}")
+    print("ratios are throughput ratios w8 / vLLM, medians of interleaved calls with fresh routings")
+    head = ["T", "calls", "w8 ms"] + (["w8 exact-h ms"] if impl == "native-avx512bf16" else []) + \
+        [f"{n} ms" for n in kernels] + ["w8/fastest vLLM (wall)", "(CPU time)", "goal", "w8/vLLM BF16 at T<=8"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    results = {"w8_impl": impl, "isa": isa, "forced": forced, "amx": amx, "vllm": record,
+               "kernels": {n: kern.what for n, kern in kernels.items()}, "models": []}
     for key in a.models:
-        res = bench_model(key, a.tokens, a.reps, a.check, a.experts)
+        res = bench_model(key, a.tokens, a.reps, a.check, kernels, amx, a.experts)
         results["models"].append(res)
-        rb = res["resident_bytes"]
-        print(f"  resident expert bytes {res['model']} (E={res['E']}): w8 {rb['w8'] / 1e6:.0f} MB, vLLM prepacked BF16 "
-              f"{rb['vllm'] / 1e6:.0f} MB (w8/vLLM = {res['memory_ratio']:.3f})")
+        print(f"  expert memory {res['model']} (E={res['E']}): w8 / BF16 = {res['memory_ratio']:.3f} "
+              f"(goal <= {GOAL_MEMORY}: {'met' if res['memory_goal_met'] else 'NOT met'}); w8 h: {res['w8_h_reason']}")
+        unmet = [r["T"] for r in res["rows"] if not r["goal_fastest_met"]]
+        small = [r["T"] for r in res["rows"] if r.get("goal_bf16_small_t_met") is False]
+        print(f"  goals: >= 1.0x fastest vLLM at every T: {'met' if not unmet else f'NOT met at T={unmet}'}"
+              + ("" if amx else f"; >= 1.3x vLLM BF16 at T <= 8: {'met' if not small else f'NOT met at T={small}'}"))
     results["loadavg_at_start"] = list(load_start)
     results["threads_forced"] = a.threads
-    write_json(f"moe_op-{isa}{'-forced' if forced else ''}{f'-{a.threads}thread' if a.threads else ''}", results)
+    variant = f"{'amx-' if amx else ''}{isa}{'-forced' if forced else ''}{f'-{a.threads}thread' if a.threads else ''}"
+    write_json(f"moe_op-{variant}", results)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Every implementation (the portable torch path and every native variant this CPU can run -- on an AVX-512 BF16
 host both ``avx512bf16`` and ``avx2``) must give the reference's numbers up to float32 rounding, for every scale
-layout the op accepts. A native variant the host's flags allow is always parametrised: if its build breaks,
+layout the op accepts; the avx512bf16 variant's BF16-h path (``native-avx512bf16-bf16h``: h rounded to BF16
+before the down projection, its default for BF16 activations) additionally up to that rounding's bound
+(:data:`H_BF16_REL`). A native variant the host's flags allow is always parametrised: if its build breaks,
 these tests fail rather than skip.
 """
 
@@ -16,6 +18,7 @@ import torch
 from vllm_moe_w8.codec import fp8
 from vllm_moe_w8.op import cpu as cpu_moe
 from vllm_moe_w8.op import native as cpu_moe_native
+from vllm_moe_w8.op import reference as ref_mod
 from vllm_moe_w8.op.reference import reference_moe
 
 # float32 compute (products of exactly dequantised weights, sums of <= a few thousand terms, two
@@ -24,14 +27,27 @@ FP32_REL_TOL = 2e-5
 # bf16/fp16 outputs additionally carry one rounding of each element to the output dtype.
 HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
+# The BF16-h path rounds each h_i = silu(gate_i) * up_i to nearest BF16 (8 significant bits): |error| <= 2^-9 |h_i|,
+# so an output moves by at most 2^-9 * sum_i |W2[n, i]| |h_i| (times |routing weight|, summed over the slots),
+# on top of the float32 terms above. The bound is computed per element from the float64 reference's |W2| |h|.
+H_BF16_REL = 2.0**-9
+
 HOST_ISAS = cpu_moe_native.host_isas()
-IMPLEMENTATIONS = ["torch"] + [f"native-{isa}" for isa in HOST_ISAS]
+# native-avx512bf16 runs with the exact h (two planes), native-avx512bf16-bf16h with the BF16 h (one plane).
+IMPLEMENTATIONS = ["torch"] + [f"native-{isa}" for isa in HOST_ISAS] + (
+    ["native-avx512bf16-bf16h"] if "avx512bf16" in HOST_ISAS else [])
 
 
 def _run(impl, *args, **kwargs):
     if impl == "torch":
         return cpu_moe.fused_moe_torch(*args, **kwargs)
-    return cpu_moe.fused_moe_native(*args, isa=impl.removeprefix("native-"), **kwargs)
+    if impl.endswith("-bf16h"):
+        return cpu_moe.fused_moe_native(*args, isa=impl.removeprefix("native-").removesuffix("-bf16h"), h_mode="bf16", **kwargs)
+    return cpu_moe.fused_moe_native(*args, isa=impl.removeprefix("native-"), h_mode="exact", **kwargs)
+
+
+def h_bf16(impl: str) -> bool:
+    return impl.endswith("-bf16h")
 
 
 def random_codes(shape, code_format, gen):
@@ -72,12 +88,30 @@ def make_routing(t, k, e, gen, *, duplicates=False, unrouted=()):
     return ids, weights
 
 
-def assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, bn, bk, fmt, limit=0.0):
+def h_rounding_bound(x, ids, wts, w13, w13_s, w2, w2_s, bn, bk, fmt, limit=0.0):
+    """sum over slots |w| * (|W2| @ |h|) [T, H] in float64 (the BF16-h path's extra error, over H_BF16_REL)."""
+    block = (bn, bk)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for e in sorted(set(int(i) for i in ids.flatten().tolist() if i >= 0)):
+        gate, up = ref_mod.dequantize_w13(w13, w13_s, e, block, fmt)
+        down = ref_mod.dequantize_expert(w2[e], w2_s[e], block, fmt).double()
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        xe = x.double()[rows]
+        h = ref_mod.activate(xe @ gate.double().T, xe @ up.double().T, swiglu_limit=limit)
+        out.index_add_(0, rows, (h.abs() @ down.abs().T) * wts[rows, slots].double().abs()[:, None])
+    return out
+
+
+def assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, bn, bk, fmt, limit=0.0, h_rounded=False):
+    """The op's accuracy gate: float32 terms (FP32_REL_TOL of the output's magnitude), the output dtype's
+    rounding, and with ``h_rounded`` (the BF16-h path) H_BF16_REL of |W2| |h| per output element."""
     ref = reference_moe(x, wts, ids, w13, w13_s, w2, w2_s, bn, bk, fmt, swiglu_limit=limit, dtype=torch.float64)
     assert out.dtype == x.dtype and out.shape == ref.shape
     scale = float(ref.abs().max()) or 1.0
     err = (out.double() - ref).abs()
     bound = FP32_REL_TOL * scale + HALF_ULP.get(x.dtype, 0.0) * ref.abs()
+    if h_rounded:
+        bound = bound + H_BF16_REL * h_rounding_bound(x, ids, wts, w13, w13_s, w2, w2_s, bn, bk, fmt, limit)
     worst = float((err - bound).max())
     assert worst <= 0, f"max error {float(err.max()):.3g} exceeds tolerance (scale {scale:.3g})"
 
@@ -101,7 +135,7 @@ def test_matches_reference_modes(impl, fmt, block, t):
     ids, wts = make_routing(t, k, e, gen, duplicates=True, unrouted=(3,))
     x = torch.randn((t, h), generator=gen).to(torch.bfloat16)
     out = _run(impl, x, wts, ids, w13, w13_s, w2, w2_s, *block, fmt)
-    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, *block, fmt)
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, *block, fmt, h_rounded=h_bf16(impl))
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -115,7 +149,7 @@ def test_refined_grid_ragged_and_dtypes(impl, dtype):
     ids, wts = make_routing(t, k, e, gen, duplicates=True, unrouted=(0,))
     x = torch.randn((t, h), generator=gen).to(dtype)
     out = _run(impl, x, wts, ids, w13, w13_s, w2, w2_s, *block, "e4m3")
-    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, *block, "e4m3")
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, *block, "e4m3", h_rounded=h_bf16(impl))
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -140,7 +174,7 @@ def test_repacked_checkpoint_and_swiglu_limit(impl):
     x = torch.randn((t, h), generator=gen).to(torch.bfloat16) * 4
     ref_free = reference_moe(x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3", dtype=torch.float64)
     out = _run(impl, x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3", swiglu_limit=0.5)
-    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", limit=0.5)
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", limit=0.5, h_rounded=h_bf16(impl))
     assert not torch.allclose(out.double(), ref_free, rtol=1e-2)  # the clamp changed the result
 
 
@@ -164,7 +198,10 @@ def test_dispatch_matches_torch_path():
     ids, wts = make_routing(t, k, e, gen)
     x = torch.randn((t, h), generator=gen).to(torch.bfloat16)
     out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
-    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+    impl = cpu_moe.implementation(h, inter, 128)
+    rounded = cpu_moe.h_precision(x.dtype, impl.removeprefix("native-")) == "bf16"
+    assert rounded == (impl == "native-avx512bf16")  # BF16 activations: the BF16 h wherever avx512bf16 runs
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", h_rounded=rounded)
 
 
 def test_bad_arguments_are_named():
@@ -233,7 +270,7 @@ def test_no_silent_fallback_on_a_supported_host(fresh_native, monkeypatch, caplo
     x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
     with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
         out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
-    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", h_rounded=best == "avx512bf16")
     assert any("native kernel" in r.getMessage() and f"instruction set {best}" in r.getMessage() for r in caplog.records)
 
 
@@ -309,3 +346,51 @@ def test_tile_width_outside_avx512_groups_uses_avx2_and_says_so(fresh_native, ca
     assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 32, 32, "e4m3")
     messages = [r.getMessage() for r in caplog.records]
     assert any("avx512bf16 kernel is not used" in m and "not covered" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLEMENTATIONS if i != "torch"])
+def test_thread_count_and_scheduling_do_not_change_a_bit(impl):
+    """Work items own disjoint outputs and each sums in a fixed order, so the caller-plus-helpers scheduling gives
+    the same bits with 1 thread and with more threads than cores (helpers that start late or never)."""
+    e, h, inter, k, t = 16, 512, 256, 4, 40  # ~6 MB of routed codes: above the single-thread threshold
+    w13, w13_s, w2, w2_s = make_experts(e, h, inter, (128, 128), "e4m3", seed=31)
+    gen = torch.Generator().manual_seed(32)
+    ids, wts = make_routing(t, k, e, gen)
+    x = torch.randn((t, h), generator=gen).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 7):
+            torch.set_num_threads(threads)
+            outs.append(_run(impl, x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3"))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert_matches_reference(outs[0], x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", h_rounded=h_bf16(impl))
+
+
+@pytest.mark.skipif("avx512bf16" not in HOST_ISAS, reason="needs an avx512bf16 host")
+def test_h_precision_is_chosen_logged_and_selectable(fresh_native, monkeypatch, caplog):
+    """BF16 activations get the BF16 h by default (and the log says so and why); VLLM_MOE_W8_CPU_H=exact gives the
+    exact path's bits; other dtypes stay exact; a bad value is named."""
+    w13, w13_s, w2, w2_s = make_experts(4, 256, 128, (128, 128), "e4m3", seed=41)
+    gen = torch.Generator().manual_seed(42)
+    ids, wts = make_routing(6, 2, 4, gen)
+    x = torch.randn((6, 256), generator=gen)
+    assert cpu_moe.h_precision(torch.bfloat16, "avx512bf16") == "bf16"
+    assert cpu_moe.h_precision(torch.float32, "avx512bf16") == cpu_moe.h_precision(torch.bfloat16, "avx2") == "exact"
+    assert "rounded to BF16" in cpu_moe.describe_path()
+    xb = x.bfloat16()
+    args = (wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+    with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
+        default = cpu_moe.fused_moe_cpu(xb, *args)
+    assert any("rounded to BF16" in r.getMessage() and "bfloat16 activations" in r.getMessage() for r in caplog.records)
+    rounded = cpu_moe.fused_moe_native(xb, *args, isa="avx512bf16", h_mode="bf16")
+    exact = cpu_moe.fused_moe_native(xb, *args, isa="avx512bf16", h_mode="exact")
+    assert torch.equal(default, rounded) and not torch.equal(rounded, exact)
+    monkeypatch.setenv(cpu_moe_native.ENV_H, "exact")
+    assert cpu_moe.h_precision(torch.bfloat16, "avx512bf16") == "exact" and "h exact" in cpu_moe.describe_path()
+    assert torch.equal(cpu_moe.fused_moe_cpu(xb, *args), exact)
+    monkeypatch.setenv(cpu_moe_native.ENV_H, "fast")
+    with pytest.raises(ValueError, match="VLLM_MOE_W8_CPU_H"):
+        cpu_moe.fused_moe_cpu(x.bfloat16(), wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")

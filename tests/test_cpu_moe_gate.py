@@ -1,13 +1,15 @@
 """The CPU op's accuracy gate (``assert_matches_reference`` in test_cpu_moe.py) fails on the smallest realistic
 weight faults: the op runs on corrupted experts, the float64 reference on the checkpoint's, and the very gate
-the op's tests use must refuse the result (while the clean weights pass it)."""
+the op's tests use must refuse the result (while the clean weights pass it). The BF16-h path
+(``native-avx512bf16-bf16h``, BF16 activations) is judged by its own, wider gate (``h_rounded``), which must
+refuse the same faults; and the BF16 h must fail the exact gate (the exact path is not silently the BF16 one)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from test_cpu_moe import IMPLEMENTATIONS, _run, assert_matches_reference, make_experts, make_routing
+from test_cpu_moe import IMPLEMENTATIONS, _run, assert_matches_reference, h_bf16, make_experts, make_routing
 
 E, H, INTER, TOP_K, TOKENS = 4, 256, 256, 2, 8
 
@@ -47,13 +49,32 @@ def test_cpu_op_gate_catches_one_weight_fault(impl, fmt, block, fault):
     ids[0] = torch.tensor([0, 1], dtype=ids.dtype)  # experts 0 and 1 are routed
     ids[1] = torch.tensor([2, 3], dtype=ids.dtype)  # and so are 2 and 3
     x = torch.randn((TOKENS, H), generator=gen)
+    rounded = h_bf16(impl)
+    if rounded:
+        x = x.bfloat16()  # the BF16-h path's default use: BF16 activations
 
     out = _run(impl, x, wts, ids, *clean, *block, fmt)
-    assert_matches_reference(out, x, ids, wts, *clean, *block, fmt)
+    assert_matches_reference(out, x, ids, wts, *clean, *block, fmt, h_rounded=rounded)
 
     broken = [t.clone() for t in clean]
     fault(*broken)
     assert any(not torch.equal(a, b) for a, b in zip(clean, broken)), "the fault changed nothing"
     out = _run(impl, x, wts, ids, *broken, *block, fmt)
     with pytest.raises(AssertionError, match="exceeds tolerance"):
-        assert_matches_reference(out, x, ids, wts, *clean, *block, fmt)
+        assert_matches_reference(out, x, ids, wts, *clean, *block, fmt, h_rounded=rounded)
+
+
+@pytest.mark.skipif("native-avx512bf16-bf16h" not in IMPLEMENTATIONS, reason="needs an avx512bf16 host")
+def test_bf16_h_fails_the_exact_gate():
+    """The exact path's gate tells the BF16 h apart: run with h rounded to BF16 it refuses, with h exact it passes
+    (float32 activations, so the output carries no BF16 rounding of its own to hide h's)."""
+    clean = make_experts(E, H, INTER, (128, 128), "e4m3", seed=11)
+    gen = torch.Generator().manual_seed(12)
+    ids, wts = make_routing(TOKENS, TOP_K, E, gen)
+    x = torch.randn((TOKENS, H), generator=gen)
+    exact = _run("native-avx512bf16", x, wts, ids, *clean, 128, 128, "e4m3")
+    assert_matches_reference(exact, x, ids, wts, *clean, 128, 128, "e4m3")
+    rounded = _run("native-avx512bf16-bf16h", x, wts, ids, *clean, 128, 128, "e4m3")
+    assert_matches_reference(rounded, x, ids, wts, *clean, 128, 128, "e4m3", h_rounded=True)
+    with pytest.raises(AssertionError, match="exceeds tolerance"):
+        assert_matches_reference(rounded, x, ids, wts, *clean, 128, 128, "e4m3")

@@ -1,7 +1,8 @@
 """FP8 codecs and repack, checked against ml_dtypes (an independent implementation of both formats).
 
 Exactness is bit-level where the maths is exact: pow2 keeps every value except the documented
-round-to-nearest-even of odd codes below 0x10 in shifted tiles, and lut keeps every byte.
+round-to-nearest-even of odd codes below 0x10 in shifted tiles, and lut keeps every byte. Every test runs on
+both pow2 paths: the native single-pass body (codec/csrc/repack_pow2.cpp) and the numpy fallback.
 """
 
 import math
@@ -13,7 +14,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.codec import fp8, repack_native
 
 ALL_CODES = np.arange(256, dtype=np.uint8)
 FINITE_FN = ALL_CODES[(ALL_CODES & 0x7F) != 0x7F]
@@ -24,6 +25,31 @@ E4M3_HALF_ULP_REL = 2.0**-4
 E4M3_HALF_SUBNORMAL_STEP = 2.0**-10
 # One float32 rounding, relative (output-block divides the exact weight by its new scale in float32).
 FP32_ULP_REL = 2.0**-23
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def repack_path(request, monkeypatch):
+    """Each test once per pow2 path; the native one must really run (a broken build fails, not falls back)."""
+    monkeypatch.setenv(repack_native.ENV, "numpy" if request.param == "numpy" else "auto")
+    if request.param == "native":
+        assert repack_native.available(), repack_native.unavailable_reason()
+    return request.param
+
+
+def test_the_chosen_path_runs(repack_path, monkeypatch):
+    calls = []
+    real = repack_native.pow2
+    monkeypatch.setattr(repack_native, "pow2", lambda *a: calls.append(1) or real(*a))
+    codes = (torch.randn(256, 256) * 200).clamp(-448, 448).to(torch.float8_e4m3fn)
+    r = fp8.repack(codes, torch.ones(2, 2))
+    assert calls and r.stats.blocks_shifted == 4
+    assert (real(codes.view(torch.uint8).numpy(), 128, 128) is None) == (repack_path == "numpy")
+
+
+def test_an_unknown_repack_path_is_named(monkeypatch):
+    monkeypatch.setenv(repack_native.ENV, "simd")
+    with pytest.raises(ValueError, match="VLLM_MOE_W8_REPACK"):
+        fp8.repack(torch.zeros(128, 128, dtype=torch.uint8), torch.ones(1, 1))
 
 
 def ml_decode(codes: np.ndarray, dtype) -> np.ndarray:

@@ -4,7 +4,8 @@ Contract under test: for any input, ``repack`` / ``dequantize_checkpoint`` / ``d
 either return a well-formed result or raise ``ValueError`` with a message; nothing else escapes (no
 IndexError, RuntimeError, silent NaN). When ``repack`` succeeds, the result dequantises to the
 checkpoint's values exactly (lut), within 2**-9 x scale on the counted rounded values (pow2), or finite
-(output-block) -- the independent truth is ml_dtypes' float8_e4m3fn decoding of the input bytes.
+(output-block) -- the independent truth is ml_dtypes' float8_e4m3fn decoding of the input bytes; pow2's
+native body and its numpy fallback give the same bytes, scales and counts.
 Example counts are bounded so the module runs in well under a minute.
 """
 
@@ -19,7 +20,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_moe_w8.codec import fp8
+import os
+from contextlib import contextmanager
+
+from vllm_moe_w8.codec import fp8, repack_native
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 POW2_RNE = 2.0**-9  # pow2: a rounded (odd subnormal / smallest-normal) value moves by 2**-9 x its tile's scale
@@ -71,6 +75,36 @@ def _truth(codes: torch.Tensor, scale_el: torch.Tensor) -> torch.Tensor:
     """The checkpoint's values by ml_dtypes (independent of fp8.py's tables): value x scale rounded once to float32."""
     vals = codes.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     return (torch.from_numpy(vals) * scale_el.float()).double()
+
+
+@contextmanager
+def numpy_repack():
+    old = os.environ.get(repack_native.ENV)
+    os.environ[repack_native.ENV] = "numpy"
+    try:
+        yield
+    finally:
+        os.environ.pop(repack_native.ENV) if old is None else os.environ.__setitem__(repack_native.ENV, old)
+
+
+@FUZZ
+@given(weights_and_scales())
+def test_pow2_native_and_numpy_paths_agree(case):
+    weight, scale, _, block = case
+    assert repack_native.available(), repack_native.unavailable_reason()
+    outcome = []
+    for ctx in (contextmanager(lambda: (yield))(), numpy_repack()):
+        with ctx:
+            try:
+                rep = fp8.repack(weight, scale, mode="pow2", block=block, name="fuzz.weight")
+                outcome.append((rep.codes, rep.scales, rep.stats))
+            except ValueError as e:
+                outcome.append(str(e))
+    (a, b) = outcome
+    if isinstance(a, str) or isinstance(b, str):
+        assert a == b
+    else:
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
 
 
 @FUZZ

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_moe_w8.codec import repack_native
+
 E4M3_MAX = 240.0  # Trn2 float8_e4m3
 E4M3FN_MAX = 448.0  # OCP float8_e4m3fn
 FN_ONLY_MIN_MAG = 0x78  # magnitude codes 0x78..0x7E are finite only in e4m3fn
@@ -317,9 +319,10 @@ def repack(
 
 
 def _repack_pow2(codes, s, block, name) -> Repacked:
-    """Vectorised in numpy (uint8 elementwise ops there are ~5x torch's on CPU); no loop over tiles.
+    """One pass per tile row in the native library (:mod:`repack_native`, threads) where it builds; else in numpy
+    (uint8 elementwise ops there are ~5x torch's on CPU), no loop over tiles -- the same bytes either way.
 
-    Real checkpoints shift nearly every tile, so every byte is halved first (:func:`_halve_bytes`) and
+    numpy: real checkpoints shift nearly every tile, so every byte is halved first (:func:`_halve_bytes`) and
     the tiles that must not shift (if any) get their original bytes back.
     """
     n, k = codes.shape
@@ -328,12 +331,19 @@ def _repack_pow2(codes, s, block, name) -> Repacked:
     stats = RepackStats(blocks=s.numel(), values=c.size)
     if c.size == 0:
         return Repacked(codes.contiguous(), s.contiguous(), "pow2", block, stats)
-    mag = c & 0x7F
-    tile_max = _tile_max(mag, (bn, bk))
+    native = repack_native.pow2(c, bn, bk)
+    mag = None if native else c & 0x7F
+    tile_max = native[1] if native else _tile_max(mag, (bn, bk))
     if int(tile_max.max()) == NAN_MAG:  # 0x7F is the largest magnitude: a tile holding it holds a NaN code
         _raise_nan(codes, name)
     shift = tile_max >= FN_ONLY_MIN_MAG  # [gn, gk]
     n_shift = int(shift.sum())
+    if native:
+        stats.blocks_shifted, rounded = n_shift, torch.from_numpy(native[2])  # counted in shifted tiles only
+        stats.values_changed = int(rounded.sum())
+        if stats.values_changed:  # see below
+            stats.max_abs_error = float(s[rounded > 0].max()) * 2.0**-9
+        return Repacked(torch.from_numpy(native[0]), torch.where(torch.from_numpy(shift), s * 2.0, s).contiguous(), "pow2", block, stats)
     if n_shift == 0:
         return Repacked(torch.from_numpy(c.copy()), s.contiguous(), "pow2", block, stats)
     shift_t = torch.from_numpy(shift)

@@ -1,29 +1,38 @@
-"""The exact CPU implementation of the MoE op (``torch.ops.moe_w8.fused_moe``'s CPU body).
+"""The CPU implementation of the MoE op (``torch.ops.moe_w8.fused_moe``'s CPU body).
 
 ``fused_moe_cpu`` computes ``out[t] = sum_j w[t, j] * W2_e (silu(W1_e x_t) * W3_e x_t)`` over the
 experts ``e = topk_ids[t, j] >= 0`` with every ``W`` the exactly dequantised weight (FP8 code x its
 tile's float32 scale, rounded once to float32 -- the same numbers as :func:`vllm_moe_w8.codec.fp8.dequantize`),
 in float32, returned in ``x``'s dtype. See DEVELOPING.md, "The MoE op", for the storage layout.
 
-Two implementations, the same numbers up to float32 summation order (both touch only the routed experts and group tokens by expert):
+Two implementations (both touch only the routed experts and group tokens by expert):
 
 * ``native`` (:mod:`vllm_moe_w8.op.native` picks the variant for this CPU and builds it at first use,
   a few seconds of g++, cached per instruction set):
   - ``avx512bf16``: each FP8 byte becomes its exact BF16 value by two byte-permute lookups; ``vdpbf16ps`` dot
     products against the activations split into BF16 planes that sum to them exactly (one plane for BF16
-    inputs); each scale tile's partial sum is multiplied by its float32 scale.
+    inputs); each scale tile's partial sum is multiplied by its float32 scale. The intermediate
+    ``h = silu(gate) * up`` (float32) enters the down projection as two BF16 planes (2^-18 relative: the
+    exact path) or, for BF16 activations by default, as one: h rounded to nearest BF16, as vLLM's own BF16 MoE
+    rounds its intermediate -- half the down projection's dot products (see :func:`h_precision`).
   - ``avx2``: FP8 byte -> float16 bits with one shift/and/add, float16 -> float32 with F16C, times the tile's
-    scale -- the same float32 weight as ``fp8.dequantize`` -- and FMA.
-  An expert routed to <= 8 tokens has each group of codes decoded in registers and used at once by all its
+    scale -- the same float32 weight as ``fp8.dequantize`` -- and FMA; h stays float32.
+  An expert routed to <= 3 tokens (8 on avx2) has each group of codes decoded in registers and used at once by all its
   tokens (memory-bound, reads 1 byte per weight); more tokens (prefill): four rows are decoded into an
-  L1-resident panel that register tiles of (row, token) dot products reuse. One OpenMP region per call with
-  ``torch.get_num_threads()`` threads (torch's own libgomp). Codes must be finite in their format (repack and
+  L1-resident panel that register tiles of (row, token) dot products reuse. ``torch.get_num_threads()`` threads:
+  the caller and helpers that claim work items from atomic counters; the caller never waits for a helper to
+  start (on a busy machine an OpenMP region's barriers wait for every thread to be scheduled). Codes must be finite in their format (repack and
   the checkpoint validation guarantee it).
 * ``torch`` (the portable fallback): dequantises each routed expert once per call and uses torch
-  matmuls. Used where no native variant fits the CPU, the build fails, or the shapes are not covered.
+  matmuls (exact, float32 h). Used where no native variant fits the CPU, the build fails, or the shapes are
+  not covered.
 
-The implementation and instruction set that run are logged once per process (:func:`implementation` says
-which). ``VLLM_MOE_W8_CPU_ISA=avx512bf16|avx2|torch`` forces one (an ISA the CPU lacks is an error).
+Numbers: with the exact h the result equals the float32 computation over exactly dequantised weights up to
+float32 summation order; with the BF16 h it additionally carries h's rounding (<= 2^-9 of each |h_i|, so
+<= 2^-9 * sum_i |W2[n, i] h_i| per output), the same order as rounding the BF16 output itself.
+The implementation, instruction set and h precision that run are logged once per process
+(:func:`implementation`, :func:`h_precision` say which). ``VLLM_MOE_W8_CPU_ISA=avx512bf16|avx2|torch`` forces
+a variant (an ISA the CPU lacks is an error); ``VLLM_MOE_W8_CPU_H=exact`` keeps h exact for BF16 inputs too.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 
 import torch
 
@@ -197,9 +207,56 @@ def _ptr(t: torch.Tensor) -> int:
 X_PLANES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
+H_EXACT, H_BF16 = "exact", "bf16"
+
+
+def h_precision(x_dtype: torch.dtype, isa: str, choice: str | None = None) -> str:
+    """How variant ``isa`` carries h = silu(gate) * up into the down projection for activations of ``x_dtype``.
+
+    ``"bf16"`` (one BF16 plane, h rounded to nearest) only on ``avx512bf16`` for BF16 activations -- their
+    output is rounded to BF16 anyway, and it halves the down projection's work -- unless
+    ``VLLM_MOE_W8_CPU_H=exact`` (``choice``); ``"exact"`` otherwise (two planes; float32 on avx2 and torch).
+    """
+    from vllm_moe_w8.op import native
+
+    choice = native.h_choice() if choice is None else choice
+    return H_BF16 if isa == "avx512bf16" and x_dtype == torch.bfloat16 and choice == "auto" else H_EXACT
+
+
+def h_reason(x_dtype: torch.dtype, isa: str, precision: str) -> str:
+    """Why :func:`h_precision` chose ``precision`` (the load log's wording)."""
+    from vllm_moe_w8.op import native
+
+    if precision == H_BF16:
+        return (f"h = SiLU(gate)*up rounded to BF16 before the down projection, as vLLM's BF16 MoE does (BF16 "
+                f"activations, whose output is BF16; {native.ENV_H}=exact keeps h exact)")
+    if isa != "avx512bf16":
+        return f"h exact (float32: the {isa} variant gains nothing from rounding it)"
+    if x_dtype != torch.bfloat16:
+        return f"h exact (two BF16 planes, 2^-18 relative: {x_dtype} activations)"
+    return f"h exact (two BF16 planes, 2^-18 relative: {native.ENV_H}=exact)"
+
+
+def describe_path() -> str:
+    """The load log's words for what the CPU op will run: the selected variant and h's precision, and why."""
+    from vllm_moe_w8.op import native
+
+    isa = native.selected_isa()
+    forced = native.ENV_ISA + " set" if os.environ.get(native.ENV_ISA, "auto").strip().lower() not in ("", "auto") else "chosen for this CPU"
+    if isa == "torch":
+        return f"torch implementation ({native.unavailable_reason('torch')}); weights exact, h float32"
+    if isa != "avx512bf16":
+        return f"native {isa} kernel ({forced}); weights exact, h float32"
+    if native.h_choice() == "exact":
+        return f"native avx512bf16 kernel ({forced}); weights exact, h exact ({native.ENV_H}=exact)"
+    return (f"native avx512bf16 kernel ({forced}); weights exact; h = SiLU(gate)*up rounded to BF16 for BF16 activations "
+            f"as vLLM's BF16 MoE does ({native.ENV_H}=exact keeps it exact), exact for other dtypes")
+
+
 def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,
-                     activation="silu", swiglu_limit=0.0, isa: str | None = None) -> torch.Tensor:
-    """The native kernel, variant ``isa`` (default: the selected one); RuntimeError where it is unavailable."""
+                     activation="silu", swiglu_limit=0.0, isa: str | None = None, h_mode: str | None = None) -> torch.Tensor:
+    """The native kernel, variant ``isa`` (default: the selected one), h precision ``h_mode`` (default:
+    :func:`h_precision`; ``"bf16"`` needs avx512bf16); RuntimeError where it is unavailable."""
     from vllm_moe_w8.op import native
 
     t, h, inter, _ = check_args(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation)
@@ -210,6 +267,10 @@ def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, 
     if not native_supports(h, inter, block_k, isa):
         raise RuntimeError(f"native CPU MoE kernel ({isa}) does not cover H={h}, I={inter}, block_k={block_k} "
                            "(H, I multiples of 16; block_k of 16 for avx2, of 64 for avx512bf16)")
+    h_prec = h_mode or h_precision(x.dtype, isa)
+    if h_prec == H_BF16 and isa != "avx512bf16":
+        raise ValueError(f"h precision 'bf16' is an avx512bf16 path; the {isa} variant keeps h exact")
+    h_planes = 0 if isa == "avx2" else (1 if h_prec == H_BF16 else 2)
     out = torch.zeros(t, h, dtype=torch.float32)
     if t == 0:
         return out.to(x.dtype)
@@ -220,7 +281,7 @@ def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, 
     s13, s2 = w13_scales.float().contiguous(), w2_scales.float().contiguous()
     bad = ctypes.c_int64(0)
     rc = lib.moe_w8_forward(
-        _ptr(xf), X_PLANES[x.dtype], t, h, inter, w13.shape[0], _ptr(w13c), _ptr(s13), _ptr(w2c), _ptr(s2),
+        _ptr(xf), X_PLANES[x.dtype], h_planes, t, h, inter, w13.shape[0], _ptr(w13c), _ptr(s13), _ptr(w2c), _ptr(s2),
         _ptr(ids), int(ids.dtype == torch.int32), _ptr(wts), ids.shape[1],
         block_n, block_k, float(swiglu_limit), torch.get_num_threads(), _ptr(out), ctypes.byref(bad),
     )
@@ -266,9 +327,11 @@ def fused_moe_cpu(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, blo
                    else f"build unavailable: {native.unavailable_reason(selected)}")
             _log_once(f"fallback:{selected}:{why}", "neuron-w8 CPU MoE: the %s kernel is not used (%s); %s runs instead",
                       selected, why, isa, level=logging.WARNING)
-        _log_once(impl, "neuron-w8 CPU MoE: native kernel, instruction set %s (CPU flags: %s), %d threads", isa,
-                  " ".join(native.ISAS[isa].cpu_flags), torch.get_num_threads())
-        return fused_moe_native(*args, isa=isa)
+        h_prec = h_precision(x.dtype, isa)
+        _log_once(f"{impl}:{h_prec}:{x.dtype}", "neuron-w8 CPU MoE: native kernel, instruction set %s (CPU flags: %s), "
+                  "%d threads, %s activations; %s", isa, " ".join(native.ISAS[isa].cpu_flags), torch.get_num_threads(),
+                  str(x.dtype).removeprefix("torch."), h_reason(x.dtype, isa, h_prec))
+        return fused_moe_native(*args, isa=isa, h_mode=h_prec)
     selected = native.selected_isa()
     if selected == "torch":
         why = native.unavailable_reason("torch")

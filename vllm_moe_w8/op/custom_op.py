@@ -8,8 +8,8 @@ count ``T``, and runs eagerly unchanged.
 
 Dispatch (see DEVELOPING.md, "The MoE op", for the signature and semantics):
 
-* tensors on CPU: the exact CPU implementation ``vllm_moe_w8.op.cpu.fused_moe_cpu`` (touches only the
-  routed experts);
+* tensors on CPU: the CPU implementation ``vllm_moe_w8.op.cpu.fused_moe_cpu`` (exact weights; touches only the
+  routed experts; see its docstring for the BF16-h path);
 * tensors on any other device: an error. On Trainium2 vLLM's own model classes (which call this op) do not
   run: vllm-neuron builds its own, and the experts there call the NKI kernels through
   ``vllm_moe_w8.neuron_glue.kernel_launch`` on their kernel-layout weights (the only resident copy).
@@ -43,7 +43,7 @@ def compute_path(device: torch.device | str = "cpu") -> tuple[str, str]:
         where = "tensors on CPU (on Neuron the experts run through vllm_moe_w8.neuron_glue, not this op)"
     else:
         where = f"tensors on {device.type}: refused ({NEURON_PATH})"
-    return CPU_IMPLEMENTATION, f"exact CPU implementation; {where}"
+    return CPU_IMPLEMENTATION, f"CPU implementation: {cpu.describe_path()}; {where}"
 
 
 def _check(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format, activation):

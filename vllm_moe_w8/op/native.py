@@ -10,10 +10,10 @@ Two variants of the same kernel, one per instruction-set level (:data:`ISAS`):
 ``VLLM_MOE_W8_CPU_ISA`` (``avx512bf16``, ``avx2``, ``torch`` for the portable torch path, ``auto``); forcing a
 variant the CPU cannot run is an error naming the missing flags. ``VLLM_MOE_W8_NATIVE=0`` means ``torch``.
 
-Each variant is a plain C++ shared library (no torch headers) loaded with ctypes; its OpenMP threads come
-from the libgomp torch already loaded. It is compiled at first use into ``$TORCH_EXTENSIONS_DIR/vllm_moe_w8``
-(default ``~/.cache/torch_extensions``), keyed by a hash of the sources, flags and compiler, written
-atomically so concurrent workers can race safely. :func:`load` returns ``None`` (and says why, via
+Each variant is a plain C++ shared library (no torch headers) loaded with ctypes; its threads are the caller and
+detached helpers (``moe_common.h``, ``run_phases``). It is compiled at first use by :mod:`vllm_moe_w8.codec.cxx_build`
+into ``$TORCH_EXTENSIONS_DIR/vllm_moe_w8`` (default ``~/.cache/torch_extensions``), keyed by a hash of the
+sources, flags and compiler, written atomically so concurrent workers can race safely. :func:`load` returns ``None`` (and says why, via
 :func:`unavailable_reason`) when no variant fits the CPU, no C++ compiler is found or the build fails; the
 caller then uses the portable torch path and logs the reason.
 """
@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_moe_w8.codec import cxx_build
+
 CSRC = Path(__file__).with_name("csrc")
-COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno"]
 ENV_ISA = "VLLM_MOE_W8_CPU_ISA"
+ENV_H = "VLLM_MOE_W8_CPU_H"  # auto: h rounded to bf16 for bf16 activations on avx512bf16; exact: float32 h always
+H_CHOICES = ("auto", "exact")
 
 
 @dataclass(frozen=True)
@@ -105,6 +104,14 @@ def selected_isa() -> str:
     return choice
 
 
+def h_choice() -> str:
+    """``VLLM_MOE_W8_CPU_H`` validated: ``auto`` (default) or ``exact``."""
+    choice = os.environ.get(ENV_H, "auto").strip().lower() or "auto"
+    if choice not in H_CHOICES:
+        raise ValueError(f"{ENV_H}={choice!r} is not a choice; set it to one of {', '.join(H_CHOICES)}")
+    return choice
+
+
 def unavailable_reason(isa: str | None = None) -> str | None:
     """Why the native kernel is not used for ``isa`` (default: the selected one); None if it loaded."""
     isa = isa or selected_isa()
@@ -120,38 +127,13 @@ def unavailable_reason(isa: str | None = None) -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
-    return Path(root) / "vllm_moe_w8"
+    return cxx_build.cache_dir()
 
 
 def build(isa: str, verbose: bool = False) -> Path:
     """Compile variant ``isa`` unless a cached build matches its sources, flags and compiler; returns the .so."""
     spec = ISAS[isa]
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler (g++/c++) on PATH; install g++ or set CXX")
-    flags = [*COMMON_FLAGS, *spec.compile_flags]
-    digest = hashlib.sha256(" ".join(flags).encode() + compiler.encode())
-    for path in sorted([CSRC / spec.source, *CSRC.glob("*.h")]):
-        digest.update(path.name.encode() + path.read_bytes())
-    target = cache_dir() / f"moe_{isa}_{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        cmd = [compiler, *flags, str(CSRC / spec.source), "-o", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building {spec.source} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-        if verbose:
-            print(" ".join(cmd), file=sys.stderr)
-        os.replace(tmp, target)  # atomic: a concurrent builder either sees nothing or the whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return cxx_build.build(CSRC / spec.source, f"moe_{isa}", spec.compile_flags, sorted(CSRC.glob("*.h")), verbose)
 
 
 def load(isa: str | None = None):
@@ -161,7 +143,7 @@ def load(isa: str | None = None):
         return None
     if isa in _libs or isa in _reasons:
         return _libs.get(isa)
-    import torch  # noqa: F401  -- torch's libgomp must be loaded first so the kernel shares its OpenMP runtime
+    import torch  # noqa: F401  -- torch's libgomp loaded first (the library is built with -fopenmp)
 
     try:
         lib = ctypes.CDLL(str(build(isa)))
@@ -172,7 +154,7 @@ def load(isa: str | None = None):
     fn = lib.moe_w8_forward
     fn.restype = ctypes.c_int
     fn.argtypes = [
-        ptr, ctypes.c_int, i64, i64, i64, i64,  # x, x_planes, T, H, I, E
+        ptr, ctypes.c_int, ctypes.c_int, i64, i64, i64, i64,  # x, x_planes, h_planes, T, H, I, E
         ptr, ptr, ptr, ptr,  # w13, w13_s, w2, w2_s
         ptr, ctypes.c_int, ptr, i64,  # topk_ids, ids_are_int32, topk_weights, k
         i64, i64, ctypes.c_float, ctypes.c_int,  # bn, bk, swiglu_limit, nthreads

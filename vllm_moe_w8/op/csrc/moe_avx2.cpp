@@ -1,8 +1,8 @@
 // Native CPU body of the neuron-w8 MoE op, AVX2 + FMA + F16C variant: exact FP8-weight MoE with 1-byte experts.
 //
 // Built at first use by vllm_moe_w8/op/native.py (g++ -O3 -mavx2 -mfma -mf16c -fopenmp) on hosts whose best
-// instruction set is AVX2 (or when VLLM_MOE_W8_CPU_ISA=avx2), loaded with ctypes; no torch headers. OpenMP threads
-// come from the same libgomp torch uses (already loaded, same soname), their number is passed in.
+// instruction set is AVX2 (or when VLLM_MOE_W8_CPU_ISA=avx2), loaded with ctypes; no torch headers. Threads: the
+// caller and nthreads - 1 helpers that it never waits to start (moe_common.h, run_phases).
 //
 // Numbers: each weight is the float32 product code_value * tile_scale, rounded once -- exactly what
 // fp8.dequantize computes -- and every sum is accumulated in float32.
@@ -22,7 +22,6 @@
 // Never a whole expert is dequantised; each routed expert's codes are decoded once per call per token block.
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -219,15 +218,17 @@ void matmul_rows(const Matrix& mat, int64_t n0, int64_t n1, const float* const* 
 extern "C" {
 
 // Returns 0 on success, 1 for unsupported shapes, 2 (and *bad_id) for an expert id >= E.
-//   x [T, H] float32; x_planes is unused here (the float32 inputs are used as they are);
+//   x [T, H] float32; x_planes is unused here (the float32 inputs are used as they are); h_planes must be 0
+//   (h stays float32: FMA needs no bf16 planes);
 //   topk_ids [T, k] (int32 if ids_are_int32 else int64, < 0: not on this rank); topk_weights [T, k] float32;
 //   w13 [E, 2I, H] codes, w13_s [E, 2*gI, gH]; w2 [E, H, I] codes, w2_s [E, gH2, gI2];
 //   out: [T, H] float32, zero on entry, accumulated.
-int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I, int64_t E,
+int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_t H, int64_t I, int64_t E,
                    const uint8_t* w13, const float* w13_s, const uint8_t* w2, const float* w2_s,
                    const void* topk_ids, int ids_are_int32, const float* topk_weights, int64_t K_top,
                    int64_t bn, int64_t bk, float swiglu_limit, int nthreads, float* out, int64_t* bad_id) {
-  (void)x_planes;
+  (void)x_planes;  // float32 FMA: every input dtype is exact
+  if (h_planes != 0) return 1;  // h stays float32 here (0); rounding it to bf16 would buy nothing
   using namespace moe_w8;
   if (H % 16 || I % 16 || (bk && bk % 16)) return 1;
   const Grid grid(H, I, bn, bk);
@@ -251,51 +252,51 @@ int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I
   const int64_t items2 = (H + chunk2 - 1) / chunk2;
   const int threads = threads_for(n_active, H, I, nthreads);
 
-  // One parallel region (one thread wake-up per call); the barrier after phase 1 publishes h.
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> panel(kPanelRows * std::max(H, I));
+  struct Scratch {
+    std::vector<float> panel;
     std::vector<const float*> xs;
     std::vector<float> gate, up;
-    // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p).
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items1; ++item) {
-      const int64_t a = item / chunks1, c = item % chunks1;
+  };
+  auto make = [&] { return Scratch{std::vector<float>(kPanelRows * std::max(H, I)), {}, {}, {}}; };
+  // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p); items (expert, chunk of rows).
+  auto phase1 = [&](int64_t item, Scratch& s) {
+    const int64_t a = item / chunks1, c = item % chunks1;
+    const int64_t e = experts[a];
+    const int64_t p0 = offsets[a], cnt = offsets[a + 1] - p0;
+    const int64_t i0 = c * chunk1, i1 = std::min(I, i0 + chunk1), ni = i1 - i0;
+    s.xs.resize(cnt);
+    for (int64_t j = 0; j < cnt; ++j) s.xs[j] = x + pair_tokens[p0 + j] * H;
+    s.gate.resize(cnt * ni);
+    s.up.resize(cnt * ni);
+    const Matrix g{w13 + e * 2 * I * H, w13_s + e * 2 * gI * gH, H, bn, bk, gH};
+    const Matrix u{w13 + (e * 2 * I + I) * H, w13_s + (e * 2 * gI + gI) * gH, H, bn, bk, gH};
+    float* gp = s.gate.data();
+    float* upp = s.up.data();
+    matmul_rows(g, i0, i1, s.xs.data(), cnt, s.panel.data(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
+    matmul_rows(u, i0, i1, s.xs.data(), cnt, s.panel.data(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
+    for (int64_t j = 0; j < cnt; ++j) {
+      float* hrow = h + (p0 + j) * I + i0;
+      for (int64_t i = 0; i < ni; ++i) hrow[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
+    }
+  };
+  // Phase 2 (every h row complete): out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
+  auto phase2 = [&](int64_t item, Scratch& s) {
+    const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
+    for (int64_t a = 0; a < n_active; ++a) {
       const int64_t e = experts[a];
       const int64_t p0 = offsets[a], cnt = offsets[a + 1] - p0;
-      const int64_t i0 = c * chunk1, i1 = std::min(I, i0 + chunk1), ni = i1 - i0;
-      xs.resize(cnt);
-      for (int64_t j = 0; j < cnt; ++j) xs[j] = x + pair_tokens[p0 + j] * H;
-      gate.resize(cnt * ni);
-      up.resize(cnt * ni);
-      const Matrix g{w13 + e * 2 * I * H, w13_s + e * 2 * gI * gH, H, bn, bk, gH};
-      const Matrix u{w13 + (e * 2 * I + I) * H, w13_s + (e * 2 * gI + gI) * gH, H, bn, bk, gH};
-      float* gp = gate.data();
-      float* upp = up.data();
-      matmul_rows(g, i0, i1, xs.data(), cnt, panel.data(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
-      matmul_rows(u, i0, i1, xs.data(), cnt, panel.data(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
-      for (int64_t j = 0; j < cnt; ++j) {
-        float* hrow = h + (p0 + j) * I + i0;
-        for (int64_t i = 0; i < ni; ++i) hrow[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
-      }
+      s.xs.resize(cnt);
+      for (int64_t j = 0; j < cnt; ++j) s.xs[j] = h + (p0 + j) * I;
+      const Matrix d{w2 + e * H * I, w2_s + e * gH2 * gI2, I, bn, bk, gI2};
+      matmul_rows(d, n0, n1, s.xs.data(), cnt, s.panel.data(), [&](int64_t j, int64_t n, float v) {
+        out[pair_tokens[p0 + j] * H + n] += pair_weights[p0 + j] * v;
+      });
     }
-    // (implicit barrier: every h row is complete)
-    // Phase 2: out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items2; ++item) {
-      const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
-      for (int64_t a = 0; a < n_active; ++a) {
-        const int64_t e = experts[a];
-        const int64_t p0 = offsets[a], cnt = offsets[a + 1] - p0;
-        xs.resize(cnt);
-        for (int64_t j = 0; j < cnt; ++j) xs[j] = h + (p0 + j) * I;
-        const Matrix d{w2 + e * H * I, w2_s + e * gH2 * gI2, I, bn, bk, gI2};
-        matmul_rows(d, n0, n1, xs.data(), cnt, panel.data(), [&](int64_t j, int64_t n, float v) {
-          out[pair_tokens[p0 + j] * H + n] += pair_weights[p0 + j] * v;
-        });
-      }
-    }
-  }
+  };
+  run_phases<Scratch>({items1, items2}, threads, make, [&](int phase, int64_t item, Scratch& s) {
+    if (phase == 0) phase1(item, s);
+    else phase2(item, s);
+  });
   return 0;
 }
 

@@ -10,8 +10,10 @@
 //           the high byte of the bf16 bits), then the sign bit is or-ed in -- no rounding anywhere.
 //   dot:    vdpbf16ps multiplies bf16 pairs exactly into float32 and accumulates in float32. The activations
 //           are split into bf16 "planes" that sum to them: a bf16 input is one plane, float16 two, float32
-//           three (8 + 8 + 8 significant bits: exact); h = silu(gate) * up is split into two planes, which
-//           represent it to 2^-18 relative -- below the float32 summation error of the dot products it feeds.
+//           three (8 + 8 + 8 significant bits: exact). h = silu(gate) * up (float32) is split into h_planes
+//           planes: two represent it to 2^-18 relative -- below the float32 summation error of the dot
+//           products it feeds (the exact path); one is h rounded to nearest bf16 (2^-9 relative), what
+//           vLLM's BF16 MoE does with its intermediate, and half the down projection's dot products.
 //   scale:  the sum over one (bn, bk) tile of code_value * activation is multiplied by the tile's float32
 //           scale and added to the row's float32 total.
 //
@@ -26,7 +28,6 @@
 // L1-resident bf16 panel that a 4 x 3 register tile of (row, pair) dot products reuses (prefill).
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -51,7 +52,8 @@ constexpr int kGroup = 64;        // codes decoded at once
 constexpr int kPanelRows = 4;     // rows decoded into the panel at once (prefill)
 constexpr int kTokenTile = 3;     // pairs per register tile (prefill)
 constexpr int kTokenBlock = 32;   // pairs whose activations stay in L2 while a panel is reused
-constexpr int kFusedTokens = 8;   // at most this many pairs: decode into registers, no panel
+constexpr int kFusedTokens = 3;   // at most this many pairs: decode into registers, no panel (measured: the panel
+                                  // path is 5-9 % faster from 4 pairs on, about equal at 2-3)
 constexpr int kPrefetch = 512;    // bytes of codes ahead (fused path)
 constexpr int kSerialSplitTokens = 64;  // up to this many tokens, x is split into planes before the parallel region
 
@@ -178,15 +180,11 @@ inline void fused_row_dot(const Matrix& m, int64_t n, const Acts& xs, const Tabl
 
 template <int P>
 MOE_NOINLINE inline void fused_row_dot_m(int count, const Matrix& m, int64_t n, const Acts& xs, const Tables& t, float* res) {
+  static_assert(kFusedTokens == 3, "one case per pair count up to kFusedTokens");
   switch (count) {
     case 1: fused_row_dot<1, P>(m, n, xs, t, res); break;
     case 2: fused_row_dot<2, P>(m, n, xs, t, res); break;
-    case 3: fused_row_dot<3, P>(m, n, xs, t, res); break;
-    case 4: fused_row_dot<4, P>(m, n, xs, t, res); break;
-    case 5: fused_row_dot<5, P>(m, n, xs, t, res); break;
-    case 6: fused_row_dot<6, P>(m, n, xs, t, res); break;
-    case 7: fused_row_dot<7, P>(m, n, xs, t, res); break;
-    default: fused_row_dot<8, P>(m, n, xs, t, res); break;
+    default: fused_row_dot<3, P>(m, n, xs, t, res); break;
   }
 }
 
@@ -295,20 +293,19 @@ void matmul_rows(const Matrix& mat, int64_t n0, int64_t n1, const Acts& xs, int6
   }
 }
 
-constexpr int kHPlanes = 2;  // planes of h = silu(gate) * up (see the header comment)
-
 }  // namespace
 
 extern "C" {
 
 // Same contract as the AVX2 variant's moe_w8_forward; x_planes: 1 if every x value is a bf16, 2 if a
-// float16, 3 for float32. Returns 1 (unsupported) unless H, I are multiples of 16 and bk of 64 (or 0).
-int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I, int64_t E,
+// float16, 3 for float32; h_planes: bf16 planes of h (2: exact, 1: h rounded to bf16). Returns 1
+// (unsupported) unless H, I are multiples of 16 and bk of 64 (or 0).
+int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_t H, int64_t I, int64_t E,
                    const uint8_t* w13, const float* w13_s, const uint8_t* w2, const float* w2_s,
                    const void* topk_ids, int ids_are_int32, const float* topk_weights, int64_t K_top,
                    int64_t bn, int64_t bk, float swiglu_limit, int nthreads, float* out, int64_t* bad_id) {
   using namespace moe_w8;
-  if (H % 16 || I % 16 || (bk && bk % kGroup) || x_planes < 1 || x_planes > 3) return 1;
+  if (H % 16 || I % 16 || (bk && bk % kGroup) || x_planes < 1 || x_planes > 3 || h_planes < 1 || h_planes > 2) return 1;
   const Grid grid(H, I, bn, bk);
   Routing routing;
   if (!group_by_expert(topk_ids, ids_are_int32, topk_weights, T, K_top, E, routing, bad_id)) return 2;
@@ -318,9 +315,9 @@ int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I
   const int64_t Hp = padded(H), Ip = padded(I);
   const Tables tables = make_tables();
 
-  // Activation planes: x per token [T][x_planes][Hp], h per pair [P][kHPlanes][Ip] (each row written once).
+  // Activation planes: x per token [T][x_planes][Hp], h per pair [P][h_planes][Ip] (each row written once).
   std::unique_ptr<uint16_t[]> xq(new uint16_t[T * x_planes * Hp]);
-  std::unique_ptr<uint16_t[]> hq(new uint16_t[P * kHPlanes * Ip]);
+  std::unique_ptr<uint16_t[]> hq(new uint16_t[P * h_planes * Ip]);
   const int64_t chunk1 = std::max<int64_t>(kGroup, phase1_chunk(n_active, I, nthreads, kGroup));  // whole groups
   const int64_t chunks1 = (I + chunk1 - 1) / chunk1;
   const int64_t items1 = n_active * chunks1;
@@ -335,58 +332,59 @@ int moe_w8_forward(const float* x, int x_planes, int64_t T, int64_t H, int64_t I
     for (int64_t t = 0; t < T; ++t) split_row(x + t * H, H, x_planes, xq.get() + t * x_planes * Hp, Hp, tmp.data());
   }
 
-#pragma omp parallel num_threads(threads)
-  {
-    std::unique_ptr<uint16_t[]> panel(new uint16_t[kPanelRows * std::max(Hp, Ip)]);
-    std::vector<float> tmp(std::max(Hp, chunk1));
+  struct Scratch {
+    std::unique_ptr<uint16_t[]> panel;
+    std::vector<float> tmp, gate, up;
     std::vector<const uint16_t*> rows;
-    std::vector<float> gate, up;
-    if (!split_serially) {
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) split_row(x + t * H, H, x_planes, xq.get() + t * x_planes * Hp, Hp, tmp.data());
+  };
+  auto make = [&] { return Scratch{std::unique_ptr<uint16_t[]>(new uint16_t[kPanelRows * std::max(Hp, Ip)]),
+                                   std::vector<float>(std::max(Hp, chunk1)), {}, {}, {}}; };
+  // Phase 0 (many tokens): x split into planes, one token per item.
+  auto split_x = [&](int64_t t, Scratch& s) { split_row(x + t * H, H, x_planes, xq.get() + t * x_planes * Hp, Hp, s.tmp.data()); };
+  // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p), stored as planes; items (expert, chunk of rows).
+  auto phase1 = [&](int64_t item, Scratch& s) {
+    const int64_t a = item / chunks1, c = item % chunks1;
+    const int64_t e = routing.experts[a];
+    const int64_t p0 = routing.offsets[a], cnt = routing.offsets[a + 1] - p0;
+    const int64_t i0 = c * chunk1, i1 = std::min(I, i0 + chunk1), ni = i1 - i0;
+    s.rows.resize(cnt);
+    for (int64_t j = 0; j < cnt; ++j) s.rows[j] = xq.get() + routing.tokens[p0 + j] * x_planes * Hp;
+    const Acts xs{s.rows.data(), x_planes, Hp};
+    s.gate.resize(cnt * ni);
+    s.up.resize(cnt * ni);
+    const Matrix g{w13 + e * 2 * I * H, w13_s + e * 2 * grid.gI * grid.gH, H, bn, bk, grid.gH};
+    const Matrix u{w13 + (e * 2 * I + I) * H, w13_s + (e * 2 * grid.gI + grid.gI) * grid.gH, H, bn, bk, grid.gH};
+    float* gp = s.gate.data();
+    float* upp = s.up.data();
+    matmul_rows(g, i0, i1, xs, cnt, tables, s.panel.get(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
+    matmul_rows(u, i0, i1, xs, cnt, tables, s.panel.get(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
+    float* tmp = s.tmp.data();
+    for (int64_t j = 0; j < cnt; ++j) {
+      for (int64_t i = 0; i < ni; ++i) tmp[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
+      std::fill(tmp + ni, tmp + padded(ni), 0.0f);  // the zero padding of h past I
+      for (int64_t k = 0; k < ni; k += kGroup) split_group(tmp + k, h_planes, hq.get() + (p0 + j) * h_planes * Ip + i0 + k, Ip);
     }
-    // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p), stored as planes.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items1; ++item) {
-      const int64_t a = item / chunks1, c = item % chunks1;
+  };
+  // Phase 2: out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
+  auto phase2 = [&](int64_t item, Scratch& s) {
+    const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
+    for (int64_t a = 0; a < n_active; ++a) {
       const int64_t e = routing.experts[a];
       const int64_t p0 = routing.offsets[a], cnt = routing.offsets[a + 1] - p0;
-      const int64_t i0 = c * chunk1, i1 = std::min(I, i0 + chunk1), ni = i1 - i0;
-      rows.resize(cnt);
-      for (int64_t j = 0; j < cnt; ++j) rows[j] = xq.get() + routing.tokens[p0 + j] * x_planes * Hp;
-      const Acts xs{rows.data(), x_planes, Hp};
-      gate.resize(cnt * ni);
-      up.resize(cnt * ni);
-      const Matrix g{w13 + e * 2 * I * H, w13_s + e * 2 * grid.gI * grid.gH, H, bn, bk, grid.gH};
-      const Matrix u{w13 + (e * 2 * I + I) * H, w13_s + (e * 2 * grid.gI + grid.gI) * grid.gH, H, bn, bk, grid.gH};
-      float* gp = gate.data();
-      float* upp = up.data();
-      matmul_rows(g, i0, i1, xs, cnt, tables, panel.get(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
-      matmul_rows(u, i0, i1, xs, cnt, tables, panel.get(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
-      for (int64_t j = 0; j < cnt; ++j) {
-        for (int64_t i = 0; i < ni; ++i) tmp[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
-        std::fill(tmp.begin() + ni, tmp.begin() + padded(ni), 0.0f);  // the zero padding of h past I
-        for (int64_t k = 0; k < ni; k += kGroup) split_group(tmp.data() + k, kHPlanes, hq.get() + (p0 + j) * kHPlanes * Ip + i0 + k, Ip);
-      }
+      s.rows.resize(cnt);
+      for (int64_t j = 0; j < cnt; ++j) s.rows[j] = hq.get() + (p0 + j) * h_planes * Ip;
+      const Acts hs{s.rows.data(), h_planes, Ip};
+      const Matrix d{w2 + e * H * I, w2_s + e * grid.gH2 * grid.gI2, I, bn, bk, grid.gI2};
+      matmul_rows(d, n0, n1, hs, cnt, tables, s.panel.get(), [&](int64_t j, int64_t n, float v) {
+        out[routing.tokens[p0 + j] * H + n] += routing.weights[p0 + j] * v;
+      });
     }
-    // (implicit barrier: every h row is complete)
-    // Phase 2: out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items2; ++item) {
-      const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
-      for (int64_t a = 0; a < n_active; ++a) {
-        const int64_t e = routing.experts[a];
-        const int64_t p0 = routing.offsets[a], cnt = routing.offsets[a + 1] - p0;
-        rows.resize(cnt);
-        for (int64_t j = 0; j < cnt; ++j) rows[j] = hq.get() + (p0 + j) * kHPlanes * Ip;
-        const Acts hs{rows.data(), kHPlanes, Ip};
-        const Matrix d{w2 + e * H * I, w2_s + e * grid.gH2 * grid.gI2, I, bn, bk, grid.gI2};
-        matmul_rows(d, n0, n1, hs, cnt, tables, panel.get(), [&](int64_t j, int64_t n, float v) {
-          out[routing.tokens[p0 + j] * H + n] += routing.weights[p0 + j] * v;
-        });
-      }
-    }
-  }
+  };
+  run_phases<Scratch>({split_serially ? 0 : T, items1, items2}, threads, make, [&](int phase, int64_t item, Scratch& s) {
+    if (phase == 0) split_x(item, s);
+    else if (phase == 1) phase1(item, s);
+    else phase2(item, s);
+  });
   return 0;
 }
 

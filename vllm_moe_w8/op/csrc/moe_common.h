@@ -3,8 +3,13 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <thread>
 #include <vector>
 
 namespace moe_w8 {
@@ -76,6 +81,60 @@ inline int64_t phase2_chunk(int64_t H, int nthreads, int64_t min_chunk) {
 // below ~1 MB of routed codes, run on the calling thread only.
 inline int threads_for(int64_t n_active, int64_t H, int64_t I, int nthreads) {
   return n_active * 3 * I * H < (int64_t{1} << 20) ? 1 : std::max(1, nthreads);
+}
+
+// Work items in up to kMaxPhases phases, run by the calling thread and threads - 1 detached helper threads.
+// Items are claimed from atomic counters; phase p + 1 starts once every item of phase p is done (release/acquire
+// on the done counters publishes what the items wrote). The caller waits only for items a helper has claimed,
+// never for a helper to start: on a busy machine a helper that is not scheduled in time finds no work left,
+// where an OpenMP region would wait for it at each barrier. Scratch is made lazily, once per thread that
+// claims an item; body and make are only called for claimed items, so a helper that wakes after the call has
+// returned touches nothing of it.
+constexpr int kMaxPhases = 3;
+
+template <class Scratch>
+struct PhasedWork {
+  int phases = 0;
+  int64_t items[kMaxPhases] = {};
+  std::atomic<int64_t> next[kMaxPhases], done[kMaxPhases];
+  std::function<Scratch()> make;
+  std::function<void(int, int64_t, Scratch&)> body;
+
+  void work() {
+    std::optional<Scratch> scratch;
+    for (int p = 0; p < phases; ++p) {
+      if (p)
+        while (done[p - 1].load(std::memory_order_acquire) < items[p - 1]) std::this_thread::yield();
+      for (int64_t i; (i = next[p].fetch_add(1, std::memory_order_relaxed)) < items[p];) {
+        if (!scratch) scratch.emplace(make());
+        body(p, i, *scratch);
+        done[p].fetch_add(1, std::memory_order_release);
+      }
+    }
+  }
+};
+
+template <class Scratch>
+void run_phases(std::initializer_list<int64_t> items, int threads, std::function<Scratch()> make,
+                std::function<void(int, int64_t, Scratch&)> body) {
+  auto job = std::make_shared<PhasedWork<Scratch>>();
+  for (int64_t n : items) {
+    job->next[job->phases] = 0;
+    job->done[job->phases] = 0;
+    job->items[job->phases++] = n;
+  }
+  job->make = std::move(make);
+  job->body = std::move(body);
+  for (int h = 1; h < threads; ++h) {
+    try {
+      std::thread([job] { job->work(); }).detach();
+    } catch (...) {  // no thread: the caller runs the items
+      break;
+    }
+  }
+  job->work();
+  const int last = job->phases - 1;
+  while (job->done[last].load(std::memory_order_acquire) < job->items[last]) std::this_thread::yield();
 }
 
 inline float silu_mul(float g, float u, float limit) {
