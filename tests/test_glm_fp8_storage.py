@@ -125,8 +125,18 @@ def test_glm5_rescale_error_is_the_rounding_of_its_product():
     r = bench.compare(truth, got)
     assert r["fraction_changed"] > 0.9 and r["nonzero_to_zero"] == 0
     normal = np.abs(codes.view(FN).astype(np.float64)) * 15 / 28 >= 2.0**-6  # products in the normal range
-    rel = np.abs(got - truth)[normal] / np.abs(truth)[normal]
-    assert rel.max() <= 2.0**-4 * (1 + 1e-6)  # 3 mantissa bits: half a step is 2**-4 of the binade; 1e-6: float32 scale
+    _assert_within_half_step(truth, got, normal)
+    stored, s = bench.storage(bench.METHODS[2], codes, scales)
+    s[0, 1] *= 2  # fault twin: one scale tile doubled
+    with pytest.raises(AssertionError):
+        _assert_within_half_step(truth, bench.trn2_decode(stored, s), normal)
+
+
+def _assert_within_half_step(truth, got, where):
+    """Gate: relative error <= 2**-4 (3 mantissa bits: half a step is 2**-4 of the binade), widened by 1e-6 for the
+    float32 rounding of the 448/240 scale (2**-24 relative, with room)."""
+    rel = np.abs(got - truth)[where] / np.abs(truth)[where]
+    assert rel.max() <= 2.0**-4 * (1 + 1e-6), float(rel.max())
 
 
 def test_minval_floor_inflates_small_blocks_as_the_fork_states():
@@ -144,8 +154,16 @@ def test_minval_floor_inflates_small_blocks_as_the_fork_states():
     nz = (truth[blk] != 0) & (got[blk] != 0)
     ratio = got[blk][nz] / truth[blk][nz]
     exact = np.abs(stored[blk].view(E4M3).astype(np.float64) * 2 - codes[blk].view(FN).astype(np.float64))[nz] == 0
-    assert np.allclose(ratio[exact], bench.GLM5NEXT_MINVAL / (2 * float(scales[0, 1])), rtol=1e-6)  # float32 scale
+    inflation = bench.GLM5NEXT_MINVAL / (2 * float(scales[0, 1]))
+    _assert_ratio(ratio[exact], inflation)
+    with pytest.raises(AssertionError):  # fault twin: a floor of 2e-5 instead of 1e-5 is told apart
+        _assert_ratio(ratio[exact], 2e-5 / (2 * float(scales[0, 1])))
     assert bench.compare(truth[:128, :128], got[:128, :128])["max_error_per_block_amax"] < 1e-5  # others unaffected
+
+
+def _assert_ratio(ratio, want):
+    """Gate: every exact byte's value scaled by ``want``, within 1e-6 relative (the float32 rounding of 1e-5)."""
+    assert np.allclose(ratio, want, rtol=1e-6, atol=0), (float(ratio.min()), float(ratio.max()), want)
 
 
 def test_recorded_json_is_what_the_script_computes():
