@@ -190,3 +190,62 @@ def test_dp_spreads_experts_only_with_ep():
     assert a["kv_bytes_per_token_per_rank"] == make_plan(cfg, tp=16, hbm_gb=1e4)["kv_bytes_per_token_per_rank"]
     assert make_plan(cfg, tp=16, dp=2, hbm_gb=1e4)["expert_bytes_per_rank_w8_codes"] == make_plan(cfg, tp=16, hbm_gb=1e4)["expert_bytes_per_rank_w8_codes"]
     assert b["errors"] and "linear-attention heads" in b["errors"][0]
+
+
+# -- the GLM layouts on Trainium2 (issue #22) ---------------------------------------------------------------------
+def _glm_expert_codes(cfg: dict, experts: int, i_rank: int) -> int:
+    """Routed-expert code bytes of one rank, straight from config.json's fields (independent of model_shape)."""
+    t = cfg.get("text_config", cfg)
+    types = t.get("mlp_layer_types")
+    moe_layers = types.count("sparse") if types else t["num_hidden_layers"] - t["first_k_dense_replace"]
+    return moe_layers * experts * 3 * t["hidden_size"] * i_rank
+
+
+def test_every_recorded_glm_layout_plans_as_its_source_states():
+    """configs/*.json ``layouts``: the seed's TP=32/EP=32 and the fork's registered layouts (E_local, I per rank
+    as the fork states them), through the CLI line recorded beside them."""
+    seen = 0
+    for stem in packaged_configs():
+        entry = load_model_entry(stem)
+        for lay in entry.get("layouts", []):
+            seen += 1
+            p = make_plan(entry["config"], tp=lay["tp"], ep_size=lay["ep_size"], lnc=lay["lnc"])
+            assert (p["experts_per_rank"], p["moe_intermediate_per_rank"]) == (lay["experts_per_rank"], lay["moe_intermediate_per_rank"]), (stem, lay["name"])
+            assert p["expert_bytes_per_rank_w8_codes"] == _glm_expert_codes(entry["config"], lay["experts_per_rank"], lay["moe_intermediate_per_rank"])
+            assert p["chips"] <= 16 and p["errors"] == [], (stem, lay["name"], p["errors"])  # fits one trn2.48xlarge
+            argv = lay["plan"].split()[1:] + ["--json"]
+            assert cli.main(argv) == 0
+    assert seen >= 3
+
+
+def test_ep_size_layout_of_the_fork(capsys):
+    flash = load_model_entry("glm-5.3-flash")["config"]
+    p = make_plan(flash, tp=64, ep_size=16)
+    assert (p["experts_per_rank"], p["moe_intermediate_per_rank"], p["ep_size"], p["chips"]) == (288 // 16, 2048 // 4, 16, 16)
+    # 128x128 float32 scales: 3 projections x (512/128) x (4096/128) tiles per expert
+    assert p["expert_scale_bytes_per_rank"] == 42 * 18 * 3 * (512 // 128) * (4096 // 128) * 4
+    assert p["warnings"] == []  # 512 is 128-aligned: the fork's blocks split cleanly
+    # ep_size = ranks is plain --ep; ep_size = 1 is plain TP (every rank holds a slice of every expert)
+    drop = lambda p: {k: v for k, v in p.items() if k != "assumptions"}  # noqa: E731
+    assert drop(make_plan(flash, tp=32, ep_size=32)) == drop(make_plan(flash, tp=32, ep=True))
+    tp_only = make_plan(flash, tp=16, hbm_gb=1e4)
+    assert make_plan(flash, tp=16, ep_size=1, hbm_gb=1e4)["expert_bytes_per_rank_w8_codes"] == tp_only["expert_bytes_per_rank_w8_codes"]
+    # a group split that is not 128-aligned warns, as plain TP does (2048 / 32 = 64)
+    assert "64 is not a multiple of 128" in make_plan(flash, tp=64, ep_size=2, hbm_gb=1e4)["warnings"][0]
+    assert cli.main(["plan", "glm-5.3-flash", "--tp", "64", "--ep-size", "16"]) == 0
+    assert "EP=16 (18 experts x I 512 per rank)" in capsys.readouterr().out
+
+
+def test_lnc_and_bad_ep_size(capsys):
+    flash = load_model_entry("glm-5.3-flash")["config"]
+    two, one = make_plan(flash, tp=32, ep=True, lnc=2), make_plan(flash, tp=32, ep=True, lnc=1)
+    assert one["hbm_bytes_per_rank"] * 2 == pytest.approx(two["hbm_bytes_per_rank"], rel=1e-12)
+    assert (two["chips"], one["chips"]) == (8, 4)
+    bad = make_plan(flash, tp=64, ep_size=24, hbm_gb=1e4)
+    assert bad["errors"] and "--ep-size 24 does not divide the 64 ranks" in bad["errors"][0]
+    with pytest.raises(PlanError, match="--ep-size must be between 1 and the 32 ranks"):
+        make_plan(flash, tp=32, ep_size=64)
+    with pytest.raises(PlanError, match="--lnc must be 1 or 2"):
+        make_plan(flash, tp=32, lnc=4)
+    assert cli.main(["plan", "glm-5.3-flash", "--tp", "32", "--ep-size", "64"]) == 1
+    assert "--ep-size must be between" in capsys.readouterr().err

@@ -36,7 +36,7 @@ def cmd_plan(args) -> int:
         config, source = resolve_config(args.target, args.config)
         report = make_plan(config, tp=args.tp, ep=args.ep, dp=args.dp, hbm_gb=args.hbm_gb, max_model_len=args.max_model_len,
                            mode=args.mode, kv_dtype_bytes=1 if args.kv_cache_dtype == "fp8" else 2,
-                           utilization=args.utilization, source=source)
+                           utilization=args.utilization, source=source, ep_size=args.ep_size, lnc=args.lnc)
     except PlanError as e:
         _fail(args, str(e))
         return 1
@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tp", type=int, default=1, help="ranks (tensor-parallel size; with --ep also the expert-parallel size)")
     s.add_argument("--ep", action="store_true", help="expert parallelism: whole experts per rank (over TP x DP ranks)")
     s.add_argument("--dp", type=int, default=1, help="data-parallel replicas of attention (with --ep the experts spread over TP x DP)")
-    s.add_argument("--hbm-gb", type=float, default=None, help="HBM per rank in GB (default: Trn2 logical core at LNC=2, 25.77 GB)")
+    s.add_argument("--ep-size", type=int, default=None, help="expert-parallel degree below TP x DP (implies --ep): experts over EP "
+                   "groups, each expert's I over the ranks of a group (vllm-neuron's GLM-5.3-Flash: --tp 64 --ep-size 16)")
+    s.add_argument("--lnc", type=int, choices=(1, 2), default=2, help="Trn2 logical core size: sets the default HBM per rank")
+    s.add_argument("--hbm-gb", type=float, default=None, help="HBM per rank in GB (default: Trn2 logical core, 25.77 GB at LNC=2, 12.88 at LNC=1)")
     s.add_argument("--utilization", type=float, default=0.9, help="share of HBM usable for weights + KV (default 0.9)")
     s.add_argument("--max-model-len", type=int, default=None, help="context length: also report sequences that fit")
     s.add_argument("--mode", choices=MODES, default="pow2", help="neuron-w8 mode (scale grid)")

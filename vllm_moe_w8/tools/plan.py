@@ -7,7 +7,9 @@ The model (stated in every report's ``assumptions``):
 
 * Routed experts: MoE layers x E x 3·H·I parameters (gate, up, down), 1 byte each as neuron-w8 codes,
   2 as BF16; GB = 1e9 bytes. Per rank: with EP whole experts (ceil(E / ranks) on the fullest rank),
-  without EP every expert's intermediate dim split by TP. The codes-only figure is the one
+  without EP every expert's intermediate dim split by TP; with an EP degree below the rank count
+  (``ep_size``, vllm-neuron's GLM layout: TP=64 as EP=16 x 4) the experts split over ``ep_size``
+  groups and each expert's intermediate dim over the ranks of a group. The codes-only figure is the one
   CHECKPOINTS.md tabulates; ``expert_bytes_per_rank_w8`` adds the float32 scales on the mode's grid
   (refined to gcd(I/tp, 128) rows when I/tp is not a multiple of 128, as the plugin does).
 * Other weights: embeddings, lm_head, attention, dense MLPs, shared experts, routers, counted from the
@@ -36,6 +38,7 @@ GB = 1e9
 BLOCK = 128
 SCALE_BYTES = 4  # converted scales are float32
 DEFAULT_HBM_GB = 96 * 2**30 / 4 / GB  # Trn2: 96 GiB per chip, 4 logical cores at LNC=2 -> 25.77 GB per rank
+CORES_PER_CHIP = 8  # Trn2 physical NeuronCores; LNC=n pairs n of them into one logical core (one rank)
 DEFAULT_UTILIZATION = 0.9
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -141,8 +144,9 @@ def linear_state_bytes_per_seq(s: ModelShape, tp: int, state_dtype_bytes: int) -
     ]
 
 
-def tp_advice(s: ModelShape, tp: int, ep: bool, dp: int = 1) -> tuple[list[str], list[str]]:
-    """(warnings, errors) about splitting attention over ``tp`` ranks and the experts over tp (or tp x dp with EP)."""
+def tp_advice(s: ModelShape, tp: int, ep: bool, dp: int = 1, ep_size: int | None = None) -> tuple[list[str], list[str]]:
+    """(warnings, errors) about splitting attention over ``tp`` ranks and the experts over tp (or tp x dp with EP;
+    with ``ep_size`` over that many expert groups, each expert's I over the tp x dp / ep_size ranks of a group)."""
     warnings, errors = [], []
     if tp < 1:
         return warnings, [f"--tp must be >= 1, got {tp}"]
@@ -159,7 +163,13 @@ def tp_advice(s: ModelShape, tp: int, ep: bool, dp: int = 1) -> tuple[list[str],
         errors.append(f"linear-attention heads ({lin['key_heads']} key, {lin['value_heads']} value) are not divisible by TP={tp}")
     i = s.moe_intermediate
     ok = [t for t in TP_CANDIDATES if i % t == 0 and (i // t) % BLOCK == 0]
-    if ep:
+    if ep_size:
+        if (tp * dp) % ep_size:
+            return warnings, errors + [f"--ep-size {ep_size} does not divide the {tp * dp} ranks (TP x DP)"]
+        if s.experts % ep_size:
+            warnings.append(f"{s.experts} experts do not divide evenly over EP={ep_size}: the fullest group holds {math.ceil(s.experts / ep_size)}")
+        tp = tp * dp // ep_size  # the ranks that split one expert's I
+    elif ep:
         n = tp * dp
         if s.experts % n:
             warnings.append(f"{s.experts} experts do not divide evenly over EP={n}: the fullest rank holds {math.ceil(s.experts / n)}")
@@ -186,9 +196,16 @@ def make_plan(
     kv_dtype_bytes: int = 2,
     utilization: float = DEFAULT_UTILIZATION,
     source: str = "",
+    ep_size: int | None = None,
+    lnc: int = 2,
 ) -> dict[str, Any]:
     if tp < 1:
         raise PlanError(f"--tp must be >= 1, got {tp}")
+    if lnc not in (1, 2):
+        raise PlanError(f"--lnc must be 1 or 2 (Trn2 logical core = 1 or 2 physical cores), got {lnc}")
+    if ep_size is not None and not 1 <= ep_size <= tp * dp:
+        raise PlanError(f"--ep-size must be between 1 and the {tp * dp} ranks (TP x DP), got {ep_size}")
+    ep = ep or ep_size is not None
     if dp < 1:
         raise PlanError(f"--dp must be >= 1, got {dp}")
     s = model_shape(config)
@@ -201,9 +218,11 @@ def make_plan(
     per_expert = 3 * h * i
     total_codes = L * e * per_expert
     if ep:
-        experts_rank = math.ceil(e / (tp * dp))  # vLLM's EP group is TP x DP
-        i_rank = i
-        codes_rank = L * experts_rank * per_expert
+        groups = ep_size or tp * dp  # vLLM's EP group is TP x DP
+        split = tp * dp // groups  # ranks sharing one expert's intermediate dim (1: whole experts)
+        experts_rank = math.ceil(e / groups)
+        i_rank = i // split if i % split == 0 else math.ceil(i / split)
+        codes_rank = L * experts_rank * 3 * h * i_rank
     else:
         experts_rank = e
         i_rank = i // tp if i % tp == 0 else math.ceil(i / tp)
@@ -214,9 +233,9 @@ def make_plan(
     other_rank = 2 * (math.ceil(other["sharded"] / tp) + other["replicated"])
     kv_tok, kv_notes = kv_bytes_per_token(s, tp, kv_dtype_bytes)
     state_seq, state_notes = linear_state_bytes_per_seq(s, tp, 2)
-    warnings, errors = tp_advice(s, tp, ep, dp)
+    warnings, errors = tp_advice(s, tp, ep, dp, ep_size)
 
-    hbm = (hbm_gb if hbm_gb is not None else DEFAULT_HBM_GB) * GB
+    hbm = (hbm_gb if hbm_gb is not None else DEFAULT_HBM_GB * lnc / 2) * GB
     usable = hbm * utilization
     w8_rank = codes_rank + scales_rank + other_rank
     bf16_rank = 2 * codes_rank + other_rank
@@ -236,8 +255,11 @@ def make_plan(
 
     assumptions = [
         "GB = 1e9 bytes; routed experts = MoE layers x E x 3·H·I (gate, up, down); FP8 codes 1 B, BF16 2 B",
-        ("EP (= TP x DP ranks): whole experts per rank (the fullest rank's ceil(E/EP)); attention split by TP" if ep else "TP without EP: every expert's intermediate dim split over the ranks"),
-        f"neuron-w8 scales float32 on the {mode} grid" + (", refined to gcd(I/tp, 128)-row tiles" if not ep and i_rank % BLOCK else ""),
+        (f"EP={ep_size} groups of {tp * dp // ep_size} ranks: ceil(E/EP) experts per rank, each expert's I split over its group" if ep_size
+         else "EP (= TP x DP ranks): whole experts per rank (the fullest rank's ceil(E/EP)); attention split by TP" if ep
+         else "TP without EP: every expert's intermediate dim split over the ranks"),
+        f"neuron-w8 scales float32 on the {mode} grid" + (", refined to gcd(I/tp, 128)-row tiles" if i_rank % BLOCK else ""),
+        f"Trn2 LNC={lnc}: {CORES_PER_CHIP // lnc} ranks per chip, {math.ceil(tp * dp * lnc / CORES_PER_CHIP)} chips for {tp * dp} ranks (trn2.48xlarge: 16)",
         "other weights (embeddings, lm_head, attention, dense MLPs, shared experts, routers) estimated from config shapes in BF16; "
         "TP-sharded except routers and MLA down-projections; norms/biases/conv kernels ignored",
         f"usable HBM per rank = {hbm / GB:.2f} GB x utilisation {utilization}",
@@ -252,7 +274,10 @@ def make_plan(
         "tp": tp,
         "dp": dp,
         "ep": ep,
+        "ep_size": ep_size or (tp * dp if ep else 1),
         "ranks": tp * dp,
+        "lnc": lnc,
+        "chips": math.ceil(tp * dp * lnc / CORES_PER_CHIP),
         "mode": mode,
         "shape": {
             "hidden_size": h, "moe_intermediate_size": i, "num_experts": e, "top_k": s.top_k,
@@ -284,13 +309,13 @@ def format_plan(p: dict[str, Any]) -> str:
     g = lambda b: f"{b / GB:.2f} GB"  # noqa: E731
     sh = p["shape"]
     dp = f" x DP={p['dp']}" if p["dp"] > 1 else ""
-    split = (f"TP={p['tp']}{dp}, EP={p['ranks']} ({p['experts_per_rank']} experts per rank)" if p["ep"]
+    split = (f"TP={p['tp']}{dp}, EP={p['ep_size']} ({p['experts_per_rank']} experts x I {p['moe_intermediate_per_rank']} per rank)" if p["ep"]
              else f"TP={p['tp']}{dp} (I per rank {p['moe_intermediate_per_rank']})")
     lines = [
         f"{p['source'] or p['architecture']}: {p['architecture']}",
         f"  H {sh['hidden_size']}, I {sh['moe_intermediate_size']}, E {sh['num_experts']}, top-{sh['top_k']}, "
         f"{sh['moe_layers']} MoE layers of {sh['num_hidden_layers']} (dense spelling: {sh['dense_layer_spelling']})",
-        f"  split: {split}, mode {p['mode']}",
+        f"  split: {split}, mode {p['mode']}, LNC={p['lnc']} ({p['chips']} Trn2 chips)",
         "",
         "routed experts              total        per rank",
         f"  neuron-w8 codes       {g(p['expert_bytes_total_w8_codes']):>12} {g(p['expert_bytes_per_rank_w8_codes']):>14}   (the CHECKPOINTS.md figure)",
