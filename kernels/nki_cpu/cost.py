@@ -18,6 +18,8 @@ beside the published figures they reproduce. The rules:
   them (PSUM evacuation on one feeds the other), so their times add.
 * **Overlap**: DMA queues, GpSimd, TensorE and the Vector+Scalar chain run concurrently:
   ``time_s = max(dma, hbm, gpsimd, tensor, vector + scalar)``; ``serial_s`` is the no-overlap bound.
+* **Dynamic features** (:mod:`.cost_dynamic`): extra software-DGE descriptors of vector-offset DMAs on GpSimd;
+  register loads and dynamic-loop iterations as a serial ``control_s`` added to the overlapped time.
 * **Launch**: an eager call from PyTorch adds ``launch_s`` (host dispatch, not device time); a kernel inside a
   compiled graph pays none. ``call_s = time_s + launch_s``.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import calibration as cal
+from . import cost_dynamic
 from .machine import Stats
 
 # Backward-compatible names (the figures behind them are in calibration.py).
@@ -52,6 +55,7 @@ class Estimate:
     dge_s: float = 0.0  # part of gpsimd_s: descriptor generation for the DMAs
     launch_s: float = 0.0  # eager launch overhead (host), not part of time_s
     dma_count: int = 0
+    control_s: float = 0.0  # serial: register loads + dynamic-loop iterations (cost_dynamic.py)
 
     @property
     def engines(self) -> dict[str, float]:
@@ -66,8 +70,8 @@ class Estimate:
 
     @property
     def time_s(self) -> float:
-        """Modelled device time of the kernel."""
-        return max(self.lanes.values())
+        """Modelled device time of the kernel (concurrent lanes, then the serial control term)."""
+        return max(self.lanes.values()) + self.control_s
 
     @property
     def call_s(self) -> float:
@@ -116,7 +120,7 @@ def engine_cycles(stats: Stats, engine: str, c: cal.Constants = cal.CALIBRATED) 
 
 def estimate(stats: Stats, c: cal.Constants = cal.CALIBRATED) -> Estimate:
     """Modelled NeuronCore-v3 time of one kernel run (see the module docstring for the rules)."""
-    dge = stats.dma_count * c.dge_per_dma_s
+    dge = stats.dma_count * c.dge_per_dma_s + cost_dynamic.descriptor_seconds(stats)
     return Estimate(
         hbm_s=hbm_seconds(stats),
         tensor_s=tensor_cycles(stats, c) / TENSOR_HZ,
@@ -127,4 +131,5 @@ def estimate(stats: Stats, c: cal.Constants = cal.CALIBRATED) -> Estimate:
         dge_s=dge,
         launch_s=c.launch_s,
         dma_count=stats.dma_count,
+        control_s=cost_dynamic.control_seconds(stats),
     )

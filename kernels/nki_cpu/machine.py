@@ -44,6 +44,11 @@ class Stats:
     engine_ops: Counter = field(default_factory=Counter)  # (engine, op, partitions, free elems) -> count
     peak_sbuf_bytes: int = 0  # per partition
     peak_psum_banks: int = 0
+    # runtime-dependent features (dynamic.py; priced by cost_dynamic.py)
+    indirect_dmas: Counter = field(default_factory=Counter)  # (scalar | vector, descriptors) -> DMAs
+    register_loads: int = 0
+    dynamic_loops: int = 0
+    dynamic_iterations: int = 0
 
     @property
     def matmul_count(self) -> int:
@@ -158,6 +163,12 @@ class Tensor:
         if dtype.itemsize != self.dtype.itemsize:
             raise NkiValidationError(f"view of {self.name!r} from {self.dtype} to {dtype}: element sizes differ ({self.dtype.itemsize} vs {dtype.itemsize} B)")
         return Tensor(self.data.view(dtype.np), self.written, dtype, self.buffer, self.alloc, self.name, self.mm_init)
+
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        """``NkiTensor.ap``: an explicit access pattern (dynamic.AccessPattern), optionally indirect."""
+        from .dynamic import ap
+
+        return ap(self, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype)
 
     def reshape(self, shape) -> "Tensor":
         """Reshape a contiguous HBM tensor (a new access pattern over the same bytes)."""

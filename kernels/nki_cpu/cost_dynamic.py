@@ -1,0 +1,43 @@
+"""Cost of the runtime-dependent features (:mod:`.dynamic`): indirect DMA descriptor generation, register loads
+and dynamic-loop iterations. Kept apart from :mod:`.cost`'s static rules and :mod:`.calibration`'s fitted
+constants; :func:`.cost.estimate` adds these terms (GpSimd lane and a serial control term).
+
+* **Software DGE per indirect DMA** (``indirect_descriptor_s``): the Trn2 architecture guide
+  (aws-neuron-sdk ``nki/guides/architecture/trainium2_arch.rst``, summarised in docs/TRN2_NKI.md) says indirect
+  DMA has no hardware-DGE path: its descriptors are written by software DGE on GpSimd. Every DMA already pays
+  the fitted ``dge_per_dma_s`` (one descriptor); a vector-offset DMA writes one descriptor per partition row, and
+  each extra row is charged ``indirect_descriptor_s``. Value assumed: 1/8 of the fitted per-DMA figure (a
+  descriptor row is a few GpSimd stores; the fitted figure includes queue handling) - a device measurement.
+* **Register load** (``register_load_s``): a 4-byte read the engine sequencer waits for before it can branch or
+  form an address; assumed equal to the fitted fixed cost of one DMA (``calibration.CALIBRATED.dma_fixed_s``).
+* **Dynamic-loop iteration** (``dynamic_iteration_s``): the compiler cannot software-pipeline across a dynamic
+  loop's back-edge, so each iteration exposes one DMA latency before its first matmul plus the sequencers' branch
+  and semaphore round; assumed 2 us (hardware-DGE DMA latency ~600 ns per the Trn2 guide, x2 for the dependent
+  index then weight loads, plus ~0.8 us of synchronisation) - a device measurement.
+
+Register loads and loop overhead stall every engine (serial ``control_s``); descriptor generation occupies GpSimd.
+"""
+
+from __future__ import annotations
+
+from . import calibration as cal
+from .calibration import Sourced
+from .machine import Stats
+
+INDIRECT_DESCRIPTOR_S = Sourced(cal.CALIBRATED.dge_per_dma_s / 8, "s",
+                                "assumed: 1/8 of the fitted per-DMA software-DGE time per extra descriptor row")
+REGISTER_LOAD_S = Sourced(cal.CALIBRATED.dma_fixed_s, "s", "assumed: one fitted DMA fixed cost (dma_fixed_s)")
+DYNAMIC_ITERATION_S = Sourced(2e-6, "s", "assumed: exposed DMA latency (2 x ~600 ns, AWS Trn2 guide) + ~0.8 us sync")
+CONSTANTS = {"indirect_descriptor_s": INDIRECT_DESCRIPTOR_S, "register_load_s": REGISTER_LOAD_S,
+             "dynamic_iteration_s": DYNAMIC_ITERATION_S}
+
+
+def descriptor_seconds(stats: Stats) -> float:
+    """GpSimd time writing the extra descriptors of vector-offset (gather/scatter) DMAs."""
+    extra = sum(n * (desc - 1) for (_kind, desc), n in stats.indirect_dmas.items())
+    return extra * INDIRECT_DESCRIPTOR_S.value
+
+
+def control_seconds(stats: Stats) -> float:
+    """Serial time: register loads and dynamic-loop iterations (no engine overlaps them)."""
+    return stats.register_loads * REGISTER_LOAD_S.value + stats.dynamic_iterations * DYNAMIC_ITERATION_S.value
