@@ -5,9 +5,10 @@ constants; :func:`.cost.estimate` adds these terms (GpSimd lane and a serial con
 * **Software DGE per indirect DMA** (``indirect_descriptor_s``): the Trn2 architecture guide
   (aws-neuron-sdk ``nki/guides/architecture/trainium2_arch.rst``, summarised in docs/TRN2_NKI.md) says indirect
   DMA has no hardware-DGE path: its descriptors are written by software DGE on GpSimd. Every DMA already pays
-  the fitted ``dge_per_dma_s`` (one descriptor); a vector-offset DMA writes one descriptor per partition row, and
-  each extra row is charged ``indirect_descriptor_s``. Value assumed: 1/8 of the fitted per-DMA figure (a
-  descriptor row is a few GpSimd stores; the fitted figure includes queue handling) - a device measurement.
+  the fitted ``dge_per_dma_s`` (fitted on the reference kernels' static 128-partition transfers); a vector-offset
+  DMA also resolves one index per partition row into an address, each row beyond the first charged
+  ``indirect_descriptor_s``. Value assumed: 1/32 of the fitted per-DMA figure per row (a 128-row gather ~5x a
+  static DMA's descriptor time) - a device measurement.
 * **Register load** (``register_load_s``): a 4-byte read the engine sequencer waits for before it can branch or
   form an address; assumed equal to the fitted fixed cost of one DMA (``calibration.CALIBRATED.dma_fixed_s``).
 * **Dynamic-loop iteration** (``dynamic_iteration_s``): the compiler cannot software-pipeline across a dynamic
@@ -24,8 +25,8 @@ from . import calibration as cal
 from .calibration import Sourced
 from .machine import Stats
 
-INDIRECT_DESCRIPTOR_S = Sourced(cal.CALIBRATED.dge_per_dma_s / 8, "s",
-                                "assumed: 1/8 of the fitted per-DMA software-DGE time per extra descriptor row")
+INDIRECT_DESCRIPTOR_S = Sourced(cal.CALIBRATED.dge_per_dma_s / 32, "s",
+                                "assumed: 1/32 of the fitted per-DMA software-DGE time per extra indexed row")
 REGISTER_LOAD_S = Sourced(cal.CALIBRATED.dma_fixed_s, "s", "assumed: one fitted DMA fixed cost (dma_fixed_s)")
 DYNAMIC_ITERATION_S = Sourced(2e-6, "s", "assumed: exposed DMA latency (2 x ~600 ns, AWS Trn2 guide) + ~0.8 us sync")
 CONSTANTS = {"indirect_descriptor_s": INDIRECT_DESCRIPTOR_S, "register_load_s": REGISTER_LOAD_S,
