@@ -1,5 +1,6 @@
 """Prefill on one rank: the dense kernel (every token through every local expert) vs the token-grouped
-kernel (only the routed rows, in 128-row tiles), as the cost model (``kernels/nki_cpu/cost.py``
+kernel (only the routed rows, in 128-row tiles, host schedule) vs the block-scheduled kernel (the same rows
+in 128-row blocks, scheduled on the device: kernels/moe_w8_blocks.py), as the cost model (``kernels/nki_cpu/cost.py``
 ``estimate``, unchanged) prices the interpreter's counts of each run.
 
 Shape: Qwen3.5-35B-A3B at EP=8 (E_local 32 of 256, H 2048, I 512, top-8), routing uniform over the 256
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
-from vllm_moe_w8.kernels import grouping, host  # noqa: E402
+from vllm_moe_w8.kernels import grouping, host, launch, routing  # noqa: E402
 from vllm_moe_w8.kernels.nki_cpu import cost  # noqa: E402
 from vllm_moe_w8.neuron_glue import kernel_launch  # noqa: E402
 
@@ -91,6 +92,15 @@ def measure(kw: host.KernelWeights, tokens: int, lnc: int) -> list[dict]:
     wall = time.perf_counter() - t0
     rows.append({"kernel": "grouped", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": 1, "counted_calls": 1,
                  **priced(grouped_stats), "interp_s": wall, "routed_rows": groups.routed, "tiles": sum(groups.expert_tiles)})
+    # blocks: the whole prefill, schedule built by routing.block_schedule, dynamic loop over the used blocks
+    block_stats: list = []
+    t0 = time.perf_counter()
+    launch.simulate_routed(x, tw, ti, kw, lnc=lnc, stats=block_stats, block=128)
+    wall = time.perf_counter() - t0
+    used = int(routing.block_schedule(tw, ti, SHAPE["E_local"], 128, lnc).block_range[:, 1].sum())
+    rows.append({"kernel": "blocks", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": 1, "counted_calls": 1,
+                 **priced(block_stats), "interp_s": wall, "routed_rows": groups.routed, "tiles": used,
+                 "capacity_blocks": routing.capacity_blocks(tokens, SHAPE["top_k"], SHAPE["E_local"], 128)})
     return rows
 
 
@@ -112,14 +122,16 @@ def main() -> None:
     for r in rows:
         dense = next(d for d in rows if d["kernel"] == "dense" and (d["mode"], d["T"], d["LNC"]) == (r["mode"], r["T"], r["LNC"]))
         r["dense/this"] = dense["model_ms"] / r["model_ms"]
+        grouped = next(d for d in rows if d["kernel"] == "grouped" and (d["mode"], d["T"], d["LNC"]) == (r["mode"], r["T"], r["LNC"]))
+        r["grouped/this"] = grouped["model_ms"] / r["model_ms"]
     print(f"\nQwen3.5-35B-A3B EP=8 rank (E_local {SHAPE['E_local']}, H {SHAPE['H']}, I {SHAPE['I']}, top-{SHAPE['top_k']} of "
           f"{SHAPE['E_total']}); cost model per NeuronCore-v3, slowest program per call")
     print_table(rows, ["kernel", "mode", "T", "LNC", "calls", "tiles", "routed_rows", "matmuls", "hbm_MB", "model_ms", "bound",
-                       "dense/this", "interp_s"])
+                       "dense/this", "grouped/this", "interp_s"])
     write_json("grouped_prefill", {
         "shape": SHAPE, "rows": rows, "weight_bytes_per_rank": weight_bytes,
         "method": "interpreter counts priced by kernels/nki_cpu/cost.py estimate(); dense: one 256-token chunk counted, "
-                  "multiplied by the number of chunks (identical counts per chunk); grouped: the whole prefill counted; "
+                  "multiplied by the number of chunks (identical counts per chunk); grouped and blocks: the whole prefill counted; "
                   "per call the slowest LNC program",
         "cost_model_assumptions": cost.__doc__,
     })

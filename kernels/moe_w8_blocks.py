@@ -109,7 +109,6 @@ def _one_block(block, hidden, w13, w13_scales, w2, w2_scales, token_position_to_
     y = nl.ndarray((b, h), dtype=nl.float32, buffer=nl.sbuf)  # the block's rows, added to their tokens in one DMA
     for h0 in range(0, h, SLAB):
         w = min(SLAB, h - h0)
-        res = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode)
-        nisa.tensor_copy(dst=y[:, h0:h0 + w], src=res)
+        down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w])
     dst = out.ap(pattern=[[h, b], [1, h]], offset=pid * rows_total * h, vector_offset=ids, indirect_dim=1)
     nisa.dma_compute(dst=dst, srcs=[dst, y], reduce_op=nl.add)

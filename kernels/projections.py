@@ -46,11 +46,13 @@ def weight_slab(weights, expert, col0, width):
     return slab
 
 
-def scaled_contract(stationary, weights, n_k, scales, block0, groups, mode, rows, width):
+def scaled_contract(stationary, weights, n_k, scales, block0, groups, mode, rows, width, total=None):
     """[rows, width] fp32 SBUF: sum_k stationary[:, k, :].T @ weights[:, k, :], each 128-column block nb scaled by
-    ``scales[:, (block0 + nb) * groups + k]`` (pow2, per k partial) or ``scales[:, block0 + nb]`` (output-block)."""
+    ``scales[:, (block0 + nb) * groups + k]`` (pow2, per k partial) or ``scales[:, block0 + nb]`` (output-block).
+    ``total``: the [rows, width] fp32 SBUF tile to write (a new one when None)."""
     codes = weights.view(nl.float8_e4m3)
-    total = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+    if total is None:
+        total = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
     if mode == OUTPUT_BLOCK:
         ps = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.psum)
         for k in range(n_k):
@@ -105,8 +107,9 @@ def gate_up_act(h_t, weight, w13, sc13, expert, dims, mode):
     return act
 
 
-def down_slab(act_t, w2, sc2, expert, h0, width, dims, mode):
-    """[rows, width] fp32 SBUF: hidden columns [h0, h0 + width) of the block's down projection, scaled."""
+def down_slab(act_t, w2, sc2, expert, h0, width, dims, mode, total=None):
+    """[rows, width] fp32 SBUF (``total`` when given): hidden columns [h0, h0 + width) of the block's down
+    projection, scaled."""
     rows, _g_h, _inter, g_i, _g13, g2, _limit = dims
     w_down = weight_slab(w2, expert, h0, width)
-    return scaled_contract(act_t, w_down, g_i, sc2, h0 // P, g2, mode, rows, width)
+    return scaled_contract(act_t, w_down, g_i, sc2, h0 // P, g2, mode, rows, width, total)
