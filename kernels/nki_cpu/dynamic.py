@@ -234,7 +234,11 @@ def _check_index(idx: np.ndarray, size: int, name: str, what: str) -> None:
 
 
 def ap(tensor: Tensor, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+    """``NkiTensor.ap(pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None)``."""
     return AccessPattern(tensor, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype)
+
+
+Tensor.ap = ap  # the method NKI tensors have (machine.Tensor cannot import this module: it is built on it)
 
 
 def gather(src: AccessPattern) -> tuple[np.ndarray, np.ndarray]:

@@ -122,7 +122,8 @@ def current() -> Machine:
 
 
 class Tensor:
-    """An NKI tensor: a view of HBM or of an on-chip tile (``.view(dtype)`` reinterprets bytes)."""
+    """An NKI tensor: a view of HBM or of an on-chip tile (``.view(dtype)`` reinterprets bytes; ``.ap(...)``, the
+    explicit / indirect access pattern, is installed by :mod:`.dynamic`, which builds on this module)."""
 
     __slots__ = ("data", "written", "mm_init", "dtype", "buffer", "alloc", "name")
 
@@ -163,12 +164,6 @@ class Tensor:
         if dtype.itemsize != self.dtype.itemsize:
             raise NkiValidationError(f"view of {self.name!r} from {self.dtype} to {dtype}: element sizes differ ({self.dtype.itemsize} vs {dtype.itemsize} B)")
         return Tensor(self.data.view(dtype.np), self.written, dtype, self.buffer, self.alloc, self.name, self.mm_init)
-
-    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
-        """``NkiTensor.ap``: an explicit access pattern (dynamic.AccessPattern), optionally indirect."""
-        from .dynamic import ap
-
-        return ap(self, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype)
 
     def reshape(self, shape) -> "Tensor":
         """Reshape a contiguous HBM tensor (a new access pattern over the same bytes)."""
