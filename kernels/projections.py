@@ -3,8 +3,8 @@ one expert whose index is a runtime value (a [1, 1] int32 SBUF tile), its weight
 scalar-offset DMA (``.ap(scalar_offset=expert, indirect_dim=0)``). The selective decode and block prefill
 schedules (:mod:`.moe_w8_blocks`) call these; the dataflow per block is the dense kernel's (kernels/moe_w8.py):
 FP8 codes stream as 512-column slabs, viewed as ``nl.float8_e4m3``, moving operand against bf16 hidden^T
-(stationary), fp32 PSUM; pow2 scales each 128x128 partial on ScalarE before VectorE adds it, output-block
-scales the PSUM accumulation once. Traced kernel code: the subset of kernels/nki_cpu/subset.py.
+(stationary), fp32 PSUM; pow2 scales each 128x128 partial on ScalarE before it is added in SBUF (alternately on
+VectorE and GpSimdE, which the cost model prices as separate lanes), output-block scales the PSUM accumulation once. Traced kernel code: the subset of kernels/nki_cpu/subset.py.
 """
 
 from __future__ import annotations
@@ -70,10 +70,11 @@ def scaled_contract(stationary, weights, n_k, scales, block0, groups, mode, rows
             c = (block0 + nb) * groups + k
             if k == 0:
                 nisa.activation(dst=total[:, blk], op=nl.copy, data=ps[:, blk], scale=scales[:, c:c + 1])
-            else:
+            else:  # ScalarE scales out of PSUM; the SBUF add alternates VectorE / GpSimdE (separate lanes)
                 part = nl.ndarray((rows, P), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.activation(dst=part, op=nl.copy, data=ps[:, blk], scale=scales[:, c:c + 1])
-                nisa.tensor_tensor(dst=total[:, blk], data1=total[:, blk], data2=part, op=nl.add)
+                adder = nisa.engine.gpsimd if (nb + k) % 2 == 1 else nisa.engine.vector
+                nisa.tensor_tensor(dst=total[:, blk], data1=total[:, blk], data2=part, op=nl.add, engine=adder)
     return total
 
 
