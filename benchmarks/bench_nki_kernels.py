@@ -153,8 +153,16 @@ def routed_decode(quick: bool) -> None:
             ok = all(r["selective_read/routed"] <= DECODE_GOAL and r[f"selective_{n}/routed_hbm"] <= DECODE_GOAL
                      for r in t1 if r["mode"] == mode)
             print(f"T=1 goal (<= {DECODE_GOAL}x routed bytes and HBM time), {mode}, scenario {n}: {'OK' if ok else 'MISSED'}")
+    crossover = 0  # the largest decode bucket up to which the selective kernel is cheaper (fitted) at every shape
+    for t in sorted({r["T"] for r in rows if r["T"] > 1}):
+        if not all(r["selective_fitted_ms"] < r["dense_fitted_ms"] for r in rows if r["T"] == t):
+            break
+        crossover = t
+    print(f"selective cheaper than all-expert (fitted) up to T = {crossover}; host_routed.SELECTIVE_MAX_TOKENS = "
+          f"{host_routed.SELECTIVE_MAX_TOKENS}")
     write_json("bench_nki_routed_decode", {"shapes": DECODE_SHAPES, "rows": rows, "goal": DECODE_GOAL,
                                            "selective_max_tokens": host_routed.SELECTIVE_MAX_TOKENS,
+                                           "selective_cheaper_up_to": crossover,
                                            "scenarios": names, "method": "interpreter counts, LNC=1; T=1 rows pow2 and output-block, threshold rows pow2; "
                                            "per scenario kernels/nki_cpu/cost.py estimate()",
                                            "assumptions": cost.__doc__})

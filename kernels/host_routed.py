@@ -15,11 +15,14 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
 * result ``[lnc, T + B, H] f32`` -> ``routing.combine(result, T)`` = the routed sum [T, H].
 
 Which schedule (:func:`schedule_for`): T <= ``SELECTIVE_MAX_TOKENS`` -> selective decode (B = the decode bucket,
-one block per routed local expert); T <= 128 -> the all-expert dense kernel (kernels/moe_w8.py, launched as
-today); larger T -> block prefill (B = 128; T padded by the caller to its length bucket).
-``SELECTIVE_MAX_TOKENS`` comes from the cost model: benchmarks/bench_nki_kernels.py ``--routed`` prices both
-decode kernels per bucket at 9 local experts (results/bench_nki_routed_decode.json); selective is cheaper up
-to T = 16 there, and the all-expert kernel from T = 32.
+one block per routed local expert); up to 128 tokens beyond it -> the all-expert dense kernel (kernels/moe_w8.py,
+launched as today); larger T -> block prefill (B = 128; T padded by the caller to its length bucket).
+``SELECTIVE_MAX_TOKENS`` comes from the cost model: ``benchmarks/bench_nki_kernels.py --routed`` prices both
+decode kernels per bucket (Qwen3.5-35B-A3B EP=8, GLM-5.3-Flash EP=32; results/bench_nki_routed_decode.json,
+``selective_cheaper_up_to``). In the fitted scenario the selective kernel is cheaper at every decode bucket up to
+128 (even when nearly every local expert is routed it reads no more and its per-block work equals the dense
+kernel's per-expert work), so the all-expert kernel is not chosen for T <= 128 today; re-derive the constant when
+the dense kernel's dataflow changes (issue #21).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from . import host, routing
 from .moe_w8_blocks import moe_w8_blocks_output_block, moe_w8_blocks_pow2
 
 P = 128
-SELECTIVE_MAX_TOKENS = 16
+SELECTIVE_MAX_TOKENS = 128  # bench_nki_routed_decode.json: selective_cheaper_up_to
 BLOCKS = {"pow2": moe_w8_blocks_pow2, "output-block": moe_w8_blocks_output_block}
 _DTYPES = {"hidden": "bfloat16", "token_position_to_id": "int32", "position_weight": "float32",
            "block_to_expert": "int32", "block_range": "int32"}
