@@ -7,7 +7,7 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
   ``hidden [T + B, H] bf16``, ``w13 [E, 128, H/128, 2I] uint8``, ``w13_scales [E, 2I/128, G13] f32``,
   ``w2 [E, 128, I/128, H] uint8``, ``w2_scales [E, H/128, G2] f32`` (the resident ``host.KernelWeights``),
   ``token_position_to_id [N, B] int32``, ``position_weight [N, B] f32``, ``block_to_expert [N, 1] int32``,
-  ``block_range [lnc, 2] int32`` (kernels/routing.py documents each).
+  ``block_new_expert [N, 1] int32``, ``block_range [lnc, 2] int32`` (kernels/routing.py documents each).
 * **constants** (keyword, hashed into the compiled kernel; data-independent): ``swiglu_limit`` (float, the
   model's). The kernel function (pow2 / output-block) follows ``kw.mode``.
 * sizes: ``B`` = :func:`block_rows` (T), ``N`` = ``routing.capacity_blocks(T, k, E, B)``: functions of the bucket
@@ -36,7 +36,7 @@ P = 128
 SELECTIVE_MAX_TOKENS = 128  # bench_nki_routed_decode.json: selective_cheaper_up_to
 BLOCKS = {"pow2": moe_w8_blocks_pow2, "output-block": moe_w8_blocks_output_block}
 _DTYPES = {"hidden": "bfloat16", "token_position_to_id": "int32", "position_weight": "float32",
-           "block_to_expert": "int32", "block_range": "int32"}
+           "block_to_expert": "int32", "block_new_expert": "int32", "block_range": "int32"}
 
 
 def schedule_for(tokens: int) -> str:
@@ -66,7 +66,7 @@ def block_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
 def check_block_args(tensors: tuple, consts: dict, mode: str, programs: int, tokens: int, top_k: int) -> None:
     """The block kernels' launch contract (shapes, dtypes, scale grids), checked before every launch; static
     properties only, so it is trace-safe. ValueError naming the tensor otherwise."""
-    hidden, w13, w13_scales, w2, w2_scales, t2i, pw, b2e, br = tensors
+    hidden, w13, w13_scales, w2, w2_scales, t2i, pw, b2e, new, br = tensors
     if len(hidden.shape) != 2:
         raise ValueError(f"moe_w8 block kernel: hidden must be [T + B, H], got {tuple(hidden.shape)}")
     e = host._check_expert_shapes(hidden.shape[1], w13, w2)
@@ -75,8 +75,8 @@ def check_block_args(tensors: tuple, consts: dict, mode: str, programs: int, tok
     if not 1 <= b <= P:
         raise ValueError(f"moe_w8 block kernel: token_position_to_id {tuple(t2i.shape)} must be [N, B] with B <= 128")
     want = {"hidden": (tokens + b, hidden.shape[1]), "token_position_to_id": (routing.capacity_blocks(tokens, top_k, e, b), b),
-            "position_weight": (n, b), "block_to_expert": (n, 1), "block_range": (programs, 2)}
-    for name, t in zip(_DTYPES, (hidden, t2i, pw, b2e, br)):
+            "position_weight": (n, b), "block_to_expert": (n, 1), "block_new_expert": (n, 1), "block_range": (programs, 2)}
+    for name, t in zip(_DTYPES, (hidden, t2i, pw, b2e, new, br)):
         if tuple(t.shape) != want[name]:
             raise ValueError(f"moe_w8 block kernel: {name} has shape {tuple(t.shape)}; expected {want[name]} "
                              f"(T={tokens}, top_k={top_k}, E={e}, B={b}; build it with routing.block_schedule)")

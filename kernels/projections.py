@@ -25,10 +25,11 @@ def expert_rows(table, expert):
     return row
 
 
-def broadcast_row(row, rows, ones):
-    """[1, n] fp32 SBUF -> [rows, n] fp32 SBUF, every partition a copy (K=1 fp32 matmul: exact)."""
+def broadcast_row(row, rows, ones, out=None):
+    """[1, n] fp32 SBUF -> [rows, n] fp32 SBUF (``out`` when given), every partition a copy (K=1 fp32 matmul: exact)."""
     n = row.shape[1]
-    out = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.sbuf)
+    if out is None:
+        out = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.sbuf)
     for c in range((n + SLAB - 1) // SLAB):
         w = min(SLAB, n - c * SLAB)
         ps = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.psum)
@@ -37,8 +38,18 @@ def broadcast_row(row, rows, ones):
     return out
 
 
-def weight_slab(weights, expert, col0, width):
-    """[P, G, width] uint8 in SBUF: columns [col0, col0 + width) of expert ``expert`` of an [E, P, G, C] HBM tensor."""
+def load_expert(weights, expert, out):
+    """out [P, G, C] uint8 SBUF := all of expert ``expert`` of an [E, P, G, C] HBM tensor (one scalar-offset DMA)."""
+    _e, p, g, cols = weights.shape
+    nisa.dma_copy(dst=out, src=weights.ap(pattern=[[g * cols, p], [cols, g], [1, cols]], offset=0, scalar_offset=expert,
+                                          indirect_dim=0))
+
+
+def weight_slab(weights, expert, col0, width, resident=None):
+    """[P, G, width] uint8 in SBUF: columns [col0, col0 + width) of expert ``expert`` of an [E, P, G, C] HBM tensor
+    (a slice of ``resident``, the expert already in SBUF, when given)."""
+    if resident is not None:
+        return resident[:, :, col0:col0 + width]
     _e, p, g, cols = weights.shape
     slab = nl.ndarray((p, g, width), dtype=nl.uint8, buffer=nl.sbuf)
     pattern = [[g * cols, p], [cols, g], [1, width]]
@@ -88,14 +99,14 @@ def transpose_rows(x, rows, blocks, dtype):
     return out
 
 
-def gate_up_act(h_t, weight, w13, sc13, expert, dims, mode):
+def gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, resident=None):
     """act [rows, I] bf16 = SiLU(gate) * weight * up for one block (gate/up scaled; GLM clamp when limit > 0)."""
     rows, g_h, inter, g_i, g13, _g2, limit = dims
     act = nl.ndarray((rows, inter), dtype=nl.bfloat16, buffer=nl.sbuf)
     for c0 in range(0, inter, SLAB):
         w = min(SLAB, inter - c0)
-        w_gate = weight_slab(w13, expert, c0, w)
-        w_up = weight_slab(w13, expert, inter + c0, w)
+        w_gate = weight_slab(w13, expert, c0, w, resident)
+        w_up = weight_slab(w13, expert, inter + c0, w, resident)
         gate = scaled_contract(h_t, w_gate, g_h, sc13, c0 // P, g13, mode, rows, w)
         up = scaled_contract(h_t, w_up, g_h, sc13, g_i + c0 // P, g13, mode, rows, w)
         if limit > 0:
@@ -108,9 +119,9 @@ def gate_up_act(h_t, weight, w13, sc13, expert, dims, mode):
     return act
 
 
-def down_slab(act_t, w2, sc2, expert, h0, width, dims, mode, total=None):
+def down_slab(act_t, w2, sc2, expert, h0, width, dims, mode, total=None, resident=None):
     """[rows, width] fp32 SBUF (``total`` when given): hidden columns [h0, h0 + width) of the block's down
     projection, scaled."""
     rows, _g_h, _inter, g_i, _g13, g2, _limit = dims
-    w_down = weight_slab(w2, expert, h0, width)
+    w_down = weight_slab(w2, expert, h0, width, resident)
     return scaled_contract(act_t, w_down, g_i, sc2, h0 // P, g2, mode, rows, width, total)

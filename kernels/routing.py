@@ -18,6 +18,8 @@ Layout (B rows per block; T tokens, E local experts, n programs):
   to the same expert gets one row with the summed weight.
 * ``block_to_expert [N, 1] int32``: the local expert of each block (blocks past the used ones: E - 1,
   never visited).
+* ``block_new_expert [N, 1] int32``: 1 where a block's expert differs from the previous block's, or the block
+  starts a program's share; the kernel reloads weights only there (a 0/1-trip dynamic loop).
 * ``block_range [n, 2] int32``: (first block, block count) of each program; programs take contiguous,
   equal shares of the used blocks, so the work of a call is proportional to its routed rows.
 """
@@ -44,10 +46,12 @@ class BlockSchedule:
     token_position_to_id: torch.Tensor  # [N, B] int32
     position_weight: torch.Tensor  # [N, B] float32
     block_to_expert: torch.Tensor  # [N, 1] int32
+    block_new_expert: torch.Tensor  # [N, 1] int32: 1 where the weights must be (re)loaded
     block_range: torch.Tensor  # [programs, 2] int32: first block, count
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.token_position_to_id, self.position_weight, self.block_to_expert, self.block_range)
+        return (self.token_position_to_id, self.position_weight, self.block_to_expert, self.block_new_expert,
+                self.block_range)
 
 
 def local_affinities(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -95,7 +99,12 @@ def block_schedule(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_exper
     first = torch.minimum(torch.arange(programs, device=dev) * share, used)
     count = torch.minimum(used - first, share)
     block_range = torch.stack([first, count], dim=1).to(torch.int32)
-    return BlockSchedule(t2i, weight.reshape(n, b), b2e, block_range)
+    experts = b2e.reshape(-1)
+    new = torch.ones(n, dtype=torch.int32, device=dev)
+    if n > 1:
+        new[1:] = (experts[1:] != experts[:-1]).to(torch.int32)
+    new = new.scatter(0, first.clamp(max=max(n - 1, 0)), torch.ones(programs, dtype=torch.int32, device=dev))
+    return BlockSchedule(t2i, weight.reshape(n, b), b2e, new.reshape(n, 1), block_range)
 
 
 def padded_hidden(x: torch.Tensor, block_rows: int) -> torch.Tensor:

@@ -96,7 +96,30 @@ def test_decode_reads_only_the_routed_experts():
     launch.simulate_moe(x, tw, ids, kw, dense)
     sel, den = selective[0][0], dense[0]
     rows = 16  # the T=1 decode bucket: one block of 16 rows per routed expert
-    per_block = rows * 256 * (2 + 4) + rows * 8 + 4  # gathered rows (bf16), output read-modify-write (fp32), metadata
+    per_block = rows * 256 * (2 + 4) + rows * 8 + 8  # gathered rows (bf16), output read-modify-write (fp32), metadata
     assert 2 * expert_bytes <= sel.hbm_read_bytes <= 2 * (expert_bytes + per_block) + 64
     assert den.hbm_read_bytes >= 16 * kw.w13[0].numel()
-    assert sel.dynamic_iterations == 2  # one block per routed expert
+    assert sel.dynamic_iterations == 2 + 2  # one block per routed expert, each a new expert (weights loaded once)
+
+
+@interpreter_only
+def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers):
+    """300 tokens all routed to experts 0 and 1: 3 blocks each; with resident codes (a Qwen-width expert fits SBUF)
+    each expert's weights cross HBM once per program share, not once per block - and the result is the same."""
+    from vllm_moe_w8.kernels import moe_w8_blocks
+
+    w13, s13, w2, s2, block = qwen_layers["pow2"]
+    kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+    assert moe_w8_blocks.resident_weights(QWEN["H"], QWEN["I"])
+    x = torch.randn(300, QWEN["H"], generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    ids = torch.stack([torch.zeros(300, dtype=torch.long), torch.ones(300, dtype=torch.long)], dim=1)
+    tw = torch.rand(300, 2, generator=torch.Generator().manual_seed(9))
+    stats = []
+    out = launch.simulate_routed(x, tw, ids, kw, lnc=1, stats=stats)
+    ref = kc.reference_moe(x, tw, ids, w13, s13, w2, s2, *block, "e4m3")
+    assert kc.within_bound(out, ref, kc.error_bound(x, tw, ids, w13, s13, w2, s2, block))[0]
+    st = stats[0][0]
+    codes = kw.w13[0].numel() + kw.w2[0].numel()
+    assert st.dynamic_iterations == 6 + 2  # six blocks, two of them start an expert
+    per_block = 128 * QWEN["H"] * (2 + 4)  # gathered rows (bf16) and the output's read-modify-write (fp32)
+    assert 2 * codes + 6 * per_block <= st.hbm_read_bytes <= 2 * codes + 6 * per_block + 64 * 1024  # not 6 x codes
