@@ -123,3 +123,18 @@ def test_the_block_launch_contract_is_checked_on_the_host():
         host_routed.check_block_args(tensors, consts, "pow2", 1, 32, 2)
     with pytest.raises(ValueError, match="expert id 7 >= the 4 local experts"):
         routing.check_routing(ti + 4, 4)
+
+
+def test_the_launch_arguments_trace_whole_under_torch_compile():
+    """host_routed.block_call (padding, schedule, argument tuple) inside a fullgraph-compiled forward."""
+    torch._dynamo.reset()
+    ckpt = kernel_check.checkpoint_experts(4, 256, 128, seed=0)
+    kw = host.to_kernel_layout(*kernel_check.repacked(ckpt, "pow2")[:4], 128, 128, "e4m3")
+    tw, ti = kernel_check.routing(16, 4, 2, seed=5)
+    x = torch.randn(16, 256)
+
+    def args(x, w, i):
+        return host_routed.block_call(x, w, i, kw, programs=2)[1]
+
+    for a, b in zip(args(x, tw, ti), torch.compile(args, fullgraph=True, backend="eager")(x, tw, ti)):
+        assert torch.equal(a, b)
