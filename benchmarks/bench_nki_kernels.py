@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 from vllm_moe_w8.kernels import host, launch  # noqa: E402
-from vllm_moe_w8.kernels import host_routed  # noqa: E402
+from vllm_moe_w8.kernels import host_routed, schedule  # noqa: E402
 from vllm_moe_w8.kernels.nki_cpu import calibration, cost, run  # noqa: E402
 
 # Measured per-call times of the reference implementation on trn2 (docs/TRN2_NKI.md), E=32 H=2048 I=512, eager:
@@ -83,21 +83,23 @@ DECODE_GOAL = 2.0  # T=1: bytes read and modelled time within 2x the routed expe
 
 
 def scenarios() -> dict:
-    """The cost scenarios to price with: calibration.SCENARIOS where it exists (fitted, documented), else the fitted
-    constants and an approximation of the documented matmul rule (no fixed cost; VectorE/ScalarE kept serial)."""
-    found = getattr(calibration, "SCENARIOS", None)
-    if found:
-        return dict(found)
-    return {"fitted": calibration.CALIBRATED, "documented~": calibration.CALIBRATED.replace(matmul_fixed_cycles=0.0)}
+    """The cost scenarios to price with (calibration.SCENARIOS: fitted, documented)."""
+    return dict(calibration.SCENARIOS)
 
 
-def _priced(program_stats: list, prefix: str) -> dict:
+def _vector_blocks(mode: str, scenario: str) -> int | None:
+    """The pow2 engine schedule a host with that scenario's calibration file builds (kernels/schedule.py)."""
+    return schedule.SCHEDULES[scenario] if mode == "pow2" else None
+
+
+def _priced(per_scenario: dict, prefix: str) -> dict:
+    """``per_scenario``: scenario -> the program Stats of the run built with that scenario's schedule."""
     out = {}
     for name, sc in scenarios().items():
-        worst = max((cost.estimate(s, sc) for s in program_stats), key=lambda e: e.time_s)
+        worst = max((cost.estimate(s, sc) for s in per_scenario[name]), key=lambda e: e.time_s)
         out[f"{prefix}_{name}_ms"] = worst.time_s * 1e3
         out[f"{prefix}_{name}_bound"] = worst.bound_by
-    out[f"{prefix}_read_MB"] = sum(s.hbm_read_bytes for s in program_stats) / 1e6
+    out[f"{prefix}_read_MB"] = sum(s.hbm_read_bytes for s in per_scenario["fitted"]) / 1e6
     return out
 
 
@@ -111,13 +113,24 @@ def decode_case(label: str, shape: dict, kw: host.KernelWeights, tokens: int, id
     per_expert = kw.w13[0].numel() + kw.w2[0].numel() + 4 * (kw.w13_scales[0].numel() + kw.w2_scales[0].numel())
     routed = len(used) * per_expert
     t0 = time.perf_counter()
-    sel = []
-    launch.simulate_routed(xb, wb, ib, kw, lnc=1, stats=sel, block=bucket)
-    dense = []
-    launch.simulate_moe(xb, wb, ib, kw, dense)
+    sel, dense = {}, {}
+    for vb in {_vector_blocks(kw.mode, n) for n in scenarios()}:  # one run per distinct engine schedule
+        st = []
+        launch.simulate_routed(xb, wb, ib, kw, lnc=1, stats=st, block=bucket, vector_blocks=vb)
+        sel[vb] = st[0]
+        dn = []
+        if vb is None:
+            launch.simulate_moe(xb, wb, ib, kw, dn)
+        else:
+            _, one = run(launch.KERNELS[kw.mode], *launch.kernel_args(xb, host.dense_affinities(wb, ib, kw.num_experts), kw),
+                         vector_blocks=vb)
+            dn = [one]
+        dense[vb] = dn
+    by = {n: _vector_blocks(kw.mode, n) for n in scenarios()}
     row = {"shape": label, "mode": kw.mode, "T": tokens, "bucket": bucket, "routed_experts": len(used),
            "routed_MB": routed / 1e6, "routed_hbm_ms": routed / cost.HBM_BYTES_PER_S * 1e3,
-           **_priced(sel[0], "selective"), **_priced(dense, "dense"), "interp_s": time.perf_counter() - t0}
+           **_priced({n: sel[vb] for n, vb in by.items()}, "selective"),
+           **_priced({n: dense[vb] for n, vb in by.items()}, "dense"), "interp_s": time.perf_counter() - t0}
     row["selective_read/routed"] = row["selective_read_MB"] / max(row["routed_MB"], 1e-12)
     for name in scenarios():
         row[f"selective_{name}/routed_hbm"] = row[f"selective_{name}_ms"] / max(row["routed_hbm_ms"], 1e-12)
@@ -134,7 +147,8 @@ def routed_decode(quick: bool) -> None:
                 ids = torch.tensor([[1, e - 2][:routed] + [-1] * (shape["k"] - routed)])
                 rows.append(decode_case(label, shape, kw, 1, ids, torch.full((1, shape["k"]), 1.0 / shape["k"])))
                 print(f"  {label} {mode} T=1 routed {routed}: {rows[-1]['selective_read/routed']:.3f} x bytes, "
-                      f"{rows[-1]['selective_fitted_ms']:.3f} ms fitted", flush=True)
+                      f"{rows[-1]['selective_fitted_ms']:.3f} ms fitted, {rows[-1]['selective_documented_ms']:.3f} ms "
+                      "documented", flush=True)
         kw = random_experts(shape["E"], shape["H"], shape["I"], "pow2")
         for tokens in ((16, 128) if quick else (16, 32, 64, 128)):  # uniform top-k of E_total: the threshold study
             gen = torch.Generator().manual_seed(tokens)
@@ -142,7 +156,8 @@ def routed_decode(quick: bool) -> None:
             ids = torch.where(ids < e, ids, -1)
             rows.append(decode_case(label, shape, kw, tokens, ids, w / w.sum(dim=1, keepdim=True)))
             print(f"  {label} T={tokens}: selective {rows[-1]['selective_fitted_ms']:.3f} vs dense "
-                  f"{rows[-1]['dense_fitted_ms']:.3f} ms fitted", flush=True)
+                  f"{rows[-1]['dense_fitted_ms']:.3f} ms fitted; {rows[-1]['selective_documented_ms']:.3f} vs "
+                  f"{rows[-1]['dense_documented_ms']:.3f} documented", flush=True)
     names = list(scenarios())
     cols = ["shape", "mode", "T", "routed_experts", "routed_MB", "selective_read_MB", "selective_read/routed", "routed_hbm_ms"]
     cols += [f"selective_{n}_ms" for n in names] + [f"dense_{n}_ms" for n in names] + [f"selective_{n}/routed_hbm" for n in names]
@@ -153,18 +168,23 @@ def routed_decode(quick: bool) -> None:
             ok = all(r["selective_read/routed"] <= DECODE_GOAL and r[f"selective_{n}/routed_hbm"] <= DECODE_GOAL
                      for r in t1 if r["mode"] == mode)
             print(f"T=1 goal (<= {DECODE_GOAL}x routed bytes and HBM time), {mode}, scenario {n}: {'OK' if ok else 'MISSED'}")
-    crossover = 0  # the largest decode bucket up to which the selective kernel is cheaper (fitted) at every shape
-    for t in sorted({r["T"] for r in rows if r["T"] > 1}):
-        if not all(r["selective_fitted_ms"] < r["dense_fitted_ms"] for r in rows if r["T"] == t):
-            break
-        crossover = t
-    print(f"selective cheaper than all-expert (fitted) up to T = {crossover}; host_routed.SELECTIVE_MAX_TOKENS = "
-          f"{host_routed.SELECTIVE_MAX_TOKENS}")
+    crossover = {}  # per scenario: the largest decode bucket up to which selective is cheaper at every shape
+    for n in names:
+        crossover[n] = 0
+        for t in sorted({r["T"] for r in rows if r["T"] > 1}):
+            if not all(r[f"selective_{n}_ms"] < r[f"dense_{n}_ms"] for r in rows if r["T"] == t):
+                break
+            crossover[n] = t
+    print(f"selective cheaper than all-expert up to T = {crossover}; host_routed.SELECTIVE_MAX_TOKENS_BY_SCENARIO = "
+          f"{host_routed.SELECTIVE_MAX_TOKENS_BY_SCENARIO}")
     write_json("bench_nki_routed_decode", {"shapes": DECODE_SHAPES, "rows": rows, "goal": DECODE_GOAL,
-                                           "selective_max_tokens": host_routed.SELECTIVE_MAX_TOKENS,
-                                           "selective_cheaper_up_to": crossover,
+                                           "selective_max_tokens": host_routed.SELECTIVE_MAX_TOKENS_BY_SCENARIO,
+                                           "selective_cheaper_up_to": min(crossover.values()),
+                                           "selective_cheaper_up_to_by_scenario": crossover,
+                                           "schedules": {n: _vector_blocks("pow2", n) for n in names},
                                            "scenarios": names, "method": "interpreter counts, LNC=1; T=1 rows pow2 and output-block, threshold rows pow2; "
-                                           "per scenario kernels/nki_cpu/cost.py estimate()",
+                                           "per scenario kernels/nki_cpu/cost.py estimate(), pow2 kernels built with that "
+                                           "scenario's engine schedule (kernels/schedule.py)",
                                            "assumptions": cost.__doc__})
 
 

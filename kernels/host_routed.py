@@ -9,7 +9,8 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
   ``token_position_to_id [N, B] int32``, ``position_weight [N, B] f32``, ``block_to_expert [N, 1] int32``,
   ``block_new_expert [N, 1] int32``, ``block_range [lnc, 2] int32`` (kernels/routing.py documents each).
 * **constants** (keyword, hashed into the compiled kernel; data-independent): ``swiglu_limit`` (float, the
-  model's). The kernel function (pow2 / output-block) follows ``kw.mode``.
+  model's); pow2 also ``vector_blocks`` (int, the engine schedule ``kernels/schedule.py`` read from the Neuron
+  calibration file at load, the dense kernel's). The kernel function (pow2 / output-block) follows ``kw.mode``.
 * sizes: ``B`` = :func:`block_rows` (T), ``N`` = ``routing.capacity_blocks(T, k, E, B)``: functions of the bucket
   (T, top_k, E), never of the routing values. One compile per (mode, T bucket).
 * result ``[lnc, T + B, H] f32`` -> ``routing.combine(result, T)`` = the routed sum [T, H].
@@ -17,12 +18,13 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
 Which schedule (:func:`schedule_for`): T <= ``SELECTIVE_MAX_TOKENS`` -> selective decode (B = the decode bucket,
 one block per routed local expert); up to 128 tokens beyond it -> the all-expert dense kernel (kernels/moe_w8.py,
 launched as today); larger T -> block prefill (B = 128; T padded by the caller to its length bucket).
-``SELECTIVE_MAX_TOKENS`` comes from the cost model: ``benchmarks/bench_nki_kernels.py --routed`` prices both
-decode kernels per bucket (Qwen3.5-35B-A3B EP=8, GLM-5.3-Flash EP=32; results/bench_nki_routed_decode.json,
-``selective_cheaper_up_to``). In the fitted scenario the selective kernel is cheaper at every decode bucket up to
-128 (even when nearly every local expert is routed it reads no more and its per-block work equals the dense
-kernel's per-expert work), so the all-expert kernel is not chosen for T <= 128 today; re-derive the constant when
-the dense kernel's dataflow changes (issue #21).
+``SELECTIVE_MAX_TOKENS`` comes from the cost model, per scenario: ``benchmarks/bench_nki_kernels.py --routed`` prices
+both decode kernels per bucket (Qwen3.5-35B-A3B EP=8, GLM-5.3-Flash EP=32; results/bench_nki_routed_decode.json,
+``selective_cheaper_up_to_by_scenario``: the largest decode bucket up to which selective is cheaper at both shapes).
+With #21's dense dataflow the all-expert kernel wins from T = 64 (fitted) / T = 32 (documented) at Qwen3.5 width,
+where nearly every local expert is routed and the selective kernel's per-block overheads (dynamic-loop
+iterations, metadata DMAs, gathered rows) are not repaid. The scenario is the one the Neuron calibration file names
+(``kernels/schedule.py``, read once at load like the pow2 engine schedule; no file: fitted).
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ from __future__ import annotations
 import torch
 
 from . import host, routing
+from .moe_w8 import POW2_SCHEDULE
 from .moe_w8_blocks import moe_w8_blocks_output_block, moe_w8_blocks_pow2
 
 P = 128
-SELECTIVE_MAX_TOKENS = 128  # bench_nki_routed_decode.json: selective_cheaper_up_to
+# bench_nki_routed_decode.json: selective_cheaper_up_to_by_scenario (tests/test_nki_routing.py checks they agree)
+SELECTIVE_MAX_TOKENS_BY_SCENARIO = {"fitted": 32, "documented": 16}
+SELECTIVE_MAX_TOKENS = SELECTIVE_MAX_TOKENS_BY_SCENARIO[POW2_SCHEDULE.scenario]
 BLOCKS = {"pow2": moe_w8_blocks_pow2, "output-block": moe_w8_blocks_output_block}
 _DTYPES = {"hidden": "bfloat16", "token_position_to_id": "int32", "position_weight": "float32",
            "block_to_expert": "int32", "block_new_expert": "int32", "block_range": "int32"}
@@ -60,7 +65,10 @@ def block_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
     b = block or block_rows(tokens)
     sched = routing.block_schedule(topk_weights, topk_ids, kw.num_experts, b, programs)
     tensors = (routing.padded_hidden(x, b), kw.w13, kw.w13_scales, kw.w2, kw.w2_scales) + sched.tensors()
-    return BLOCKS[kw.mode], tensors, {"swiglu_limit": float(swiglu_limit)}
+    consts = {"swiglu_limit": float(swiglu_limit)}
+    if kw.mode == "pow2":
+        consts["vector_blocks"] = POW2_SCHEDULE.vector_blocks
+    return BLOCKS[kw.mode], tensors, consts
 
 
 def check_block_args(tensors: tuple, consts: dict, mode: str, programs: int, tokens: int, top_k: int) -> None:

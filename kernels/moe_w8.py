@@ -2,8 +2,12 @@
 
 Two variants share one body:
 
-* :func:`moe_w8_pow2` - exact 128x128 block scales: every contraction block's partial product is scaled
-  (ScalarE, PSUM -> SBUF) before it is added (VectorE) to an fp32 SBUF accumulator.
+* :func:`moe_w8_pow2` - exact 128x128 block scales: every contraction block's partial product is scaled and
+  added to an fp32 SBUF accumulator, per 128-column block either by ScalarE (scaled copy PSUM -> SBUF) + GpSimdE
+  (add in SBUF; GpSimd cannot read PSUM) or by one VectorE ``scalar_tensor_tensor`` (partial * scale + total).
+  Which blocks go to VectorE is the trace-time constant ``vector_blocks`` (of every ``schedule.BLOCK_PERIOD``),
+  chosen at load from the Neuron calibration file (``kernels/schedule.py``: which engines overlap on the device).
+  The arithmetic is the same either way: one fp32 multiply and one fp32 add per block.
 * :func:`moe_w8_output_block` - one scale per 128 output rows: the whole contraction accumulates in
   PSUM and is scaled once while it is evacuated. It refuses 128x128 block scales (the grid is checked).
 
@@ -40,19 +44,24 @@ Dataflow per expert (dense over the rank's local experts, as decode needs):
   are the *moving* operand of ``nisa.nc_matmul`` against the bf16 hidden^T chunk (stationary), fp32
   PSUM. SiLU(gate) (ScalarE, scale fused), times the affinity, times up gives the activation in bf16
   [T, I], transposed (TensorE) to [P, I/P, T] to be the stationary operand of the down projection,
-  whose output is scaled and added into the fp32 accumulator [T, H] in SBUF; one DMA per 128-token tile
-  writes the result.
+  whose blocks are scaled and added straight into the fp32 accumulator [T, H] in SBUF (pow2; output-block: one
+  scaled add per 128 columns); one DMA per 128-token tile writes the result. Weights move in few, large DMAs
+  (gate and up together when I <= 512, down DOWN_DMA_COLS columns at a time); the expert's two scale grids are
+  loaded side by side and broadcast to the token partitions together.
 Precision: products are exact in fp32 (bf16 x fp8), accumulation fp32; the activation is rounded to
 bf16 once before the down projection (the only rounding beyond fp32 accumulation).
 """
 
 from __future__ import annotations
 
+from . import block_scale, schedule
 from .nki_api import nisa, nki, nl
 
 P = 128  # partitions; contraction block and scale block
 SLAB = 512  # moving free size: one PSUM bank of fp32
 T_MAX = 256  # tokens per kernel call (SBUF: accumulators, hidden^T and activations scale with T)
+DOWN_DMA_COLS = 2048  # down-projection weight columns per DMA (fewer, larger DMAs; [P, I/P, 2048] uint8 in SBUF)
+POW2_SCHEDULE = schedule.load()  # which engines carry the pow2 block scale-adds (the calibration file, at load)
 POW2 = "pow2"
 OUTPUT_BLOCK = "output-block"
 
@@ -68,18 +77,20 @@ def _dims(hidden, w13, mode):
 
 
 @nki.jit
-def moe_w8_pow2(hidden, w13, w13_scales, w2, w2_scales, affinities, swiglu_limit=0.0):
-    """Routed MoE over local experts with exact 128x128 block scales (pow2 repack)."""
-    return _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, POW2, float(swiglu_limit))
+def moe_w8_pow2(hidden, w13, w13_scales, w2, w2_scales, affinities, swiglu_limit=0.0,
+                vector_blocks=POW2_SCHEDULE.vector_blocks):
+    """Routed MoE over local experts with exact 128x128 block scales (pow2 repack). ``vector_blocks`` (trace-time
+    constant): of every ``schedule.BLOCK_PERIOD`` block scale-adds, how many run on VectorE (kernels/schedule.py)."""
+    return _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, POW2, float(swiglu_limit), int(vector_blocks))
 
 
 @nki.jit
 def moe_w8_output_block(hidden, w13, w13_scales, w2, w2_scales, affinities, swiglu_limit=0.0):
     """Routed MoE over local experts with one scale per 128 output rows (output-block repack)."""
-    return _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, OUTPUT_BLOCK, float(swiglu_limit))
+    return _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, OUTPUT_BLOCK, float(swiglu_limit), 0)
 
 
-def _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, mode, swiglu_limit):
+def _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, mode, swiglu_limit, vector_blocks):
     dims = _dims(hidden, w13, mode)
     t, h, e_local, _inter, _gh, gi, g13, g2, tt_rows, n_tt = dims
     programs = nl.num_programs(axes=0)
@@ -92,7 +103,7 @@ def _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, mode, swiglu_limit)
     sc13_rows = w13_scales.reshape((e_local, 1, 2 * gi * g13))
     sc2_rows = w2_scales.reshape((e_local, 1, (h // P) * g2))
     for e in nl.sequential_range(pid * per_program, min(e_local, (pid + 1) * per_program)):
-        _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, swiglu_limit)
+        _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, swiglu_limit, vector_blocks)
     for tt in range(n_tt):
         nisa.dma_copy(dst=out[pid, tt * tt_rows:(tt + 1) * tt_rows, :], src=acc[:, tt, :])
     return out
@@ -117,18 +128,27 @@ def _load_tokens(hidden, affinities, dims):
     return h_t, aff, acc
 
 
-def _broadcast_row(row_hbm, rows, ones):
-    """[1, n] fp32 in HBM -> [rows, n] fp32 in SBUF, every partition a copy (K=1 fp32 matmul: exact)."""
-    n = row_hbm.shape[1]
+def _broadcast_rows(rows_hbm, rows, ones):
+    """[1, n_i] fp32 rows in HBM -> one [rows, sum n_i] fp32 SBUF tile, every partition a copy (K=1 fp32 matmuls:
+    exact), and the column where each row starts. The rows are loaded side by side so one matmul per 512 columns
+    broadcasts all of them."""
+    n = 0
+    for r in rows_hbm:
+        n += r.shape[1]
     row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=row, src=row_hbm)
+    starts = []
+    c0 = 0
+    for r in rows_hbm:
+        starts.append(c0)
+        nisa.dma_copy(dst=row[:, c0:c0 + r.shape[1]], src=r)
+        c0 += r.shape[1]
     out = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.sbuf)
     for c in range((n + SLAB - 1) // SLAB):
         w = min(SLAB, n - c * SLAB)
         ps = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_matmul(dst=ps, stationary=ones[:, 0:rows], moving=row[:, c * SLAB:c * SLAB + w], accumulate=False)
         nisa.tensor_copy(dst=out[:, c * SLAB:c * SLAB + w], src=ps)
-    return out
+    return out, starts
 
 
 def _scale_col(block0, nb, k, per_block):
@@ -136,56 +156,51 @@ def _scale_col(block0, nb, k, per_block):
     return (block0 + nb) * per_block + k
 
 
-def _contract(stationary, cols, weights, n_k, scales, block0, per_block, mode, rows, width):
-    """sum_k stationary[:, k, cols].T @ weights[:, k, :] for a [rows, width] output slab.
-
-    output-block: the unscaled PSUM accumulation (the caller scales while evacuating).
-    pow2: an fp32 SBUF tile in which each k partial, per 128-column block nb, was multiplied by its own
-    scale ``scales[:, _scale_col(block0, nb, k, per_block)]`` on ScalarE before VectorE added it.
-    """
+def _contract(stationary, cols, weights, n_k, rows, width):
+    """output-block: sum_k stationary[:, k, cols].T @ weights[:, k, :] accumulated in PSUM ([rows, width], unscaled;
+    the caller scales while evacuating)."""
     codes = weights.view(nl.float8_e4m3)
-    if mode == OUTPUT_BLOCK:
-        ps = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.psum)
-        for k in range(n_k):
-            nisa.nc_matmul(dst=ps, stationary=stationary[:, k, cols], moving=codes[:, k, :], accumulate=(k > 0))
-        return ps
-    total = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+    ps = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.psum)
     for k in range(n_k):
-        ps = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=ps, stationary=stationary[:, k, cols], moving=codes[:, k, :], accumulate=False)
-        for nb in range(width // P):
-            blk = slice(nb * P, (nb + 1) * P)
-            c = _scale_col(block0, nb, k, per_block)
-            if k == 0:
-                nisa.activation(dst=total[:, blk], op=nl.copy, data=ps[:, blk], scale=scales[:, c:c + 1])
-            else:
-                part = nl.ndarray((rows, P), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=part, op=nl.copy, data=ps[:, blk], scale=scales[:, c:c + 1])
-                nisa.tensor_tensor(dst=total[:, blk], data1=total[:, blk], data2=part, op=nl.add)
-    return total
+        nisa.nc_matmul(dst=ps, stationary=stationary[:, k, cols], moving=codes[:, k, :], accumulate=(k > 0))
+    return ps
 
 
-def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, limit):
+def _load_w13(w13, e, inter, c0, w):
+    """(gate codes, up codes) [P, gH, w] uint8 of intermediate columns [c0, c0 + w): one DMA when the slab is the whole
+    intermediate size (gate and up are then contiguous), else one each."""
+    gh = w13.shape[2]
+    if w == inter:
+        both = nl.ndarray((P, gh, 2 * w), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.dma_copy(dst=both, src=w13[e])
+        return both[:, :, 0:w], both[:, :, w:2 * w]
+    w_gate = nl.ndarray((P, gh, w), dtype=nl.uint8, buffer=nl.sbuf)
+    w_up = nl.ndarray((P, gh, w), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.dma_copy(dst=w_gate, src=w13[e, :, :, c0:c0 + w])
+    nisa.dma_copy(dst=w_up, src=w13[e, :, :, inter + c0:inter + c0 + w])
+    return w_gate, w_up
+
+
+def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, limit, vector_blocks):
     t, h, _e_local, inter, gh, gi, g13, g2, tt_rows, n_tt = dims
-    sc13 = _broadcast_row(sc13_rows[e], tt_rows, ones)  # [TT, 2gI * G13]
-    sc2 = _broadcast_row(sc2_rows[e], tt_rows, ones)  # [TT, gH * G2]
+    scales, (s13, s2) = _broadcast_rows((sc13_rows[e], sc2_rows[e]), tt_rows, ones)  # [TT, 2gI*G13 + gH*G2]
+    sc13 = scales[:, s13:s2]
+    sc2 = scales[:, s2:s2 + (h // P) * g2]
     act = nl.ndarray((tt_rows, n_tt, inter), dtype=nl.bfloat16, buffer=nl.sbuf)
+    counter = 0  # the expert's pow2 block count: the engine schedule's index
 
     # gate / up projections, 512 intermediate columns at a time
     for c0 in range(0, inter, SLAB):
         w = min(SLAB, inter - c0)
-        w_gate = nl.ndarray((P, gh, w), dtype=nl.uint8, buffer=nl.sbuf)
-        w_up = nl.ndarray((P, gh, w), dtype=nl.uint8, buffer=nl.sbuf)
-        nisa.dma_copy(dst=w_gate, src=w13[e, :, :, c0:c0 + w])
-        nisa.dma_copy(dst=w_up, src=w13[e, :, :, inter + c0:inter + c0 + w])
+        w_gate, w_up = _load_w13(w13, e, inter, c0, w)
         gate0 = c0 // P  # first gate row block of this slab in the w13 scale grid; up rows follow all gi gate blocks
         up0 = gi + c0 // P
         for tt in range(n_tt):
             cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
-            gate = _contract(h_t, cols, w_gate, gh, sc13, gate0, g13, mode, tt_rows, w)
-            up = _contract(h_t, cols, w_up, gh, sc13, up0, g13, mode, tt_rows, w)
             silu = nl.ndarray((tt_rows, w), dtype=nl.float32, buffer=nl.sbuf)
             if mode == OUTPUT_BLOCK:
+                gate = _contract(h_t, cols, w_gate, gh, tt_rows, w)
+                up = _contract(h_t, cols, w_up, gh, tt_rows, w)
                 for nb in range(w // P):
                     blk = slice(nb * P, (nb + 1) * P)
                     c = _scale_col(gate0, nb, 0, g13)
@@ -196,6 +211,12 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
                     else:
                         nisa.activation(dst=silu[:, blk], op=nl.silu, data=gate[:, blk], scale=sc13[:, c:c + 1])
             else:
+                gate = nl.ndarray((tt_rows, w), dtype=nl.float32, buffer=nl.sbuf)
+                up = nl.ndarray((tt_rows, w), dtype=nl.float32, buffer=nl.sbuf)
+                counter = block_scale.contract_pow2(h_t, cols, w_gate.view(nl.float8_e4m3), gh, sc13, gate0, g13, tt_rows, w, gate,
+                                         True, counter, vector_blocks)
+                counter = block_scale.contract_pow2(h_t, cols, w_up.view(nl.float8_e4m3), gh, sc13, up0, g13, tt_rows, w, up,
+                                         True, counter, vector_blocks)
                 if limit > 0:
                     nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
                     nisa.tensor_scalar(dst=up, data=up, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
@@ -216,8 +237,9 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
                     else:
                         nisa.scalar_tensor_tensor(dst=dst, data=up[:, blk], op0=nl.multiply, operand0=sc13[:, c:c + 1],
                                                   op1=nl.multiply, operand1=silu[:, blk])
-            else:
-                nisa.tensor_tensor(dst=act[:, tt, c0:c0 + w], data1=up, data2=silu, op=nl.multiply)
+            else:  # both in SBUF: GpSimd takes the product (VectorE carries scaled block adds)
+                nisa.tensor_tensor(dst=act[:, tt, c0:c0 + w], data1=up, data2=silu, op=nl.multiply,
+                                   engine=nisa.engine.gpsimd if vector_blocks > 0 else nisa.engine.vector)
 
     # activation^T [P, I/P, T] bf16: the stationary operand of the down projection
     act_t = nl.ndarray((P, gi, t), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -228,20 +250,26 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
             nisa.nc_transpose(dst=ps, data=act[:, tt, k * P:(k + 1) * P])
             nisa.tensor_copy(dst=act_t[:, k, cols], src=ps, engine=nisa.engine.scalar)
 
-    # down projection, 512 hidden columns at a time, added into the fp32 accumulators
-    for h0 in range(0, h, SLAB):
-        w = min(SLAB, h - h0)
-        w_down = nl.ndarray((P, gi, w), dtype=nl.uint8, buffer=nl.sbuf)
-        nisa.dma_copy(dst=w_down, src=w2[e, :, :, h0:h0 + w])
-        down0 = h0 // P
-        for tt in range(n_tt):
-            cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
-            res = _contract(act_t, cols, w_down, gi, sc2, down0, g2, mode, tt_rows, w)
-            if mode == OUTPUT_BLOCK:
-                for nb in range(w // P):
-                    c = _scale_col(down0, nb, 0, g2)
-                    out_blk = acc[:, tt, h0 + nb * P:h0 + (nb + 1) * P]
-                    nisa.scalar_tensor_tensor(dst=out_blk, data=res[:, nb * P:(nb + 1) * P], op0=nl.multiply,
-                                              operand0=sc2[:, c:c + 1], op1=nl.add, operand1=out_blk)
-            else:
-                nisa.tensor_tensor(dst=acc[:, tt, h0:h0 + w], data1=acc[:, tt, h0:h0 + w], data2=res, op=nl.add)
+    # down projection, 512 hidden columns at a time, added into the fp32 accumulators; its weights arrive
+    # DOWN_DMA_COLS columns per DMA
+    for d0 in range(0, h, DOWN_DMA_COLS):
+        dw = min(DOWN_DMA_COLS, h - d0)
+        w_down_all = nl.ndarray((P, gi, dw), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w_down_all, src=w2[e, :, :, d0:d0 + dw])
+        for h0 in range(d0, d0 + dw, SLAB):
+            w = min(SLAB, d0 + dw - h0)
+            w_down = w_down_all[:, :, h0 - d0:h0 - d0 + w]
+            down0 = h0 // P
+            for tt in range(n_tt):
+                cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
+                out_slab = acc[:, tt, h0:h0 + w]
+                if mode == OUTPUT_BLOCK:
+                    res = _contract(act_t, cols, w_down, gi, tt_rows, w)
+                    for nb in range(w // P):
+                        c = _scale_col(down0, nb, 0, g2)
+                        out_blk = out_slab[:, nb * P:(nb + 1) * P]
+                        nisa.scalar_tensor_tensor(dst=out_blk, data=res[:, nb * P:(nb + 1) * P], op0=nl.multiply,
+                                                  operand0=sc2[:, c:c + 1], op1=nl.add, operand1=out_blk)
+                else:  # every block's scaled partial straight into the accumulator
+                    counter = block_scale.contract_pow2(act_t, cols, w_down.view(nl.float8_e4m3), gi, sc2, down0, g2, tt_rows, w,
+                                             out_slab, False, counter, vector_blocks)

@@ -34,6 +34,7 @@ Launched as ``kernel[n]`` (n = LNC): program p = ``nl.program_id(0)`` computes b
 
 from __future__ import annotations
 
+from .moe_w8 import POW2_SCHEDULE
 from .nki_api import nisa, nki, nl
 from .projections import (OUTPUT_BLOCK, POW2, broadcast_row, down_slab, expert_rows, gate_up_act, load_expert,
                           transpose_rows)
@@ -45,10 +46,11 @@ RESIDENT_BYTES = 64 * 1024  # SBUF per partition an expert's codes may keep acro
 
 @nki.jit
 def moe_w8_blocks_pow2(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-                       block_new_expert, block_range, swiglu_limit=0.0):
-    """Block-scheduled routed MoE with exact 128x128 block scales (pow2 repack)."""
+                       block_new_expert, block_range, swiglu_limit=0.0, vector_blocks=POW2_SCHEDULE.vector_blocks):
+    """Block-scheduled routed MoE with exact 128x128 block scales (pow2 repack). ``vector_blocks`` (trace-time
+    constant, the dense kernel's): of every ``schedule.BLOCK_PERIOD`` block scale-adds, how many run on VectorE."""
     return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-                   block_new_expert, block_range, POW2, float(swiglu_limit))
+                   block_new_expert, block_range, POW2, float(swiglu_limit), int(vector_blocks))
 
 
 @nki.jit
@@ -56,7 +58,7 @@ def moe_w8_blocks_output_block(hidden, w13, w13_scales, w2, w2_scales, token_pos
                                block_to_expert, block_new_expert, block_range, swiglu_limit=0.0):
     """Block-scheduled routed MoE with one scale per 128 output rows (output-block repack)."""
     return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-                   block_new_expert, block_range, OUTPUT_BLOCK, float(swiglu_limit))
+                   block_new_expert, block_range, OUTPUT_BLOCK, float(swiglu_limit), 0)
 
 
 def resident_weights(hidden: int, inter: int) -> bool:
@@ -74,12 +76,12 @@ def _zero_output(out, pid, rows_total, hidden):
 
 
 def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-            block_new_expert, block_range, mode, limit):
+            block_new_expert, block_range, mode, limit, vector_blocks):
     rows_total, h = hidden.shape
     _n_blocks, b = token_position_to_id.shape
     _e, _p, g_h, two_i = w13.shape
     inter = two_i // 2
-    dims = (b, g_h, inter, inter // P, w13_scales.shape[2], w2_scales.shape[2], limit)
+    dims = (b, g_h, inter, inter // P, w13_scales.shape[2], w2_scales.shape[2], limit, vector_blocks)
     programs = nl.num_programs(axes=0)
     pid = nl.program_id(axis=0)
     out = nl.ndarray((programs, rows_total, h), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -123,7 +125,7 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
 
 def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight, out, pid,
                dims, mode):
-    b, g_h, _inter, g_i, _g13, _g2, _limit = dims
+    b, g_h, _inter, g_i, _g13, _g2, _limit, _vector_blocks = dims
     rows_total, h = hidden.shape
     ids = nl.ndarray((b, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=ids, src=token_position_to_id.ap(pattern=[[1, b], [1, 1]], offset=0, scalar_offset=block, indirect_dim=0))
@@ -132,11 +134,11 @@ def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_pos
     x = nl.ndarray((b, h), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.dma_copy(dst=x, src=hidden.ap(pattern=[[h, b], [1, h]], offset=0, vector_offset=ids, indirect_dim=0))
     h_t = transpose_rows(x, b, g_h, nl.bfloat16)
-    act = gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, res13)
+    act, counter = gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, res13)
     act_t = transpose_rows(act, b, g_i, nl.bfloat16)
     y = nl.ndarray((b, h), dtype=nl.float32, buffer=nl.sbuf)  # the block's rows, added to their tokens in one DMA
     for h0 in range(0, h, SLAB):
         w = min(SLAB, h - h0)
-        down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2)
+        _y, counter = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2, counter)
     dst = out.ap(pattern=[[h, b], [1, h]], offset=pid * rows_total * h, vector_offset=ids, indirect_dim=1)
     nisa.dma_compute(dst=dst, srcs=[dst, y], reduce_op=nl.add)

@@ -3,12 +3,16 @@ one expert whose index is a runtime value (a [1, 1] int32 SBUF tile), its weight
 scalar-offset DMA (``.ap(scalar_offset=expert, indirect_dim=0)``). The selective decode and block prefill
 schedules (:mod:`.moe_w8_blocks`) call these; the dataflow per block is the dense kernel's (kernels/moe_w8.py):
 FP8 codes stream as 512-column slabs, viewed as ``nl.float8_e4m3``, moving operand against bf16 hidden^T
-(stationary), fp32 PSUM; pow2 scales each 128x128 partial on ScalarE before it is added in SBUF (alternately on
-VectorE and GpSimdE, which the cost model prices as separate lanes), output-block scales the PSUM accumulation once. Traced kernel code: the subset of kernels/nki_cpu/subset.py.
+(stationary), fp32 PSUM. pow2 runs the shared per-block step :func:`.block_scale.contract_pow2` (each 128x128
+partial scaled and added on VectorE or ScalarE + GpSimdE as ``kernels/schedule.py``'s ``vector_blocks`` says; the
+block's running count is the schedule index); output-block scales the PSUM accumulation once. ``dims`` is
+``(rows, gH, I, gI, G13, G2, swiglu_limit, vector_blocks)``. Traced kernel code: the subset of
+kernels/nki_cpu/subset.py.
 """
 
 from __future__ import annotations
 
+from . import block_scale
 from .nki_api import nisa, nl
 
 P = 128
@@ -57,10 +61,13 @@ def weight_slab(weights, expert, col0, width, resident=None):
     return slab
 
 
-def scaled_contract(stationary, weights, n_k, scales, block0, groups, mode, rows, width, total=None):
-    """[rows, width] fp32 SBUF: sum_k stationary[:, k, :].T @ weights[:, k, :], each 128-column block nb scaled by
-    ``scales[:, (block0 + nb) * groups + k]`` (pow2, per k partial) or ``scales[:, block0 + nb]`` (output-block).
-    ``total``: the [rows, width] fp32 SBUF tile to write (a new one when None)."""
+def scaled_contract(stationary, weights, n_k, scales, block0, groups, mode, rows, width, total=None, counter=0,
+                    vector_blocks=0):
+    """([rows, width] fp32 SBUF, counter): sum_k stationary[:, k, :].T @ weights[:, k, :], each 128-column block nb
+    scaled by ``scales[:, (block0 + nb) * groups + k]`` (pow2, per k partial: :func:`.block_scale.contract_pow2`,
+    the engines of ``vector_blocks``, ``counter`` the block's running pow2 block count, returned advanced) or
+    ``scales[:, block0 + nb]`` (output-block). ``total``: the [rows, width] fp32 SBUF tile to write (a new one when
+    None); written, not added to (the k = 0 partials write it)."""
     codes = weights.view(nl.float8_e4m3)
     if total is None:
         total = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
@@ -72,21 +79,10 @@ def scaled_contract(stationary, weights, n_k, scales, block0, groups, mode, rows
             c = block0 + nb
             nisa.activation(dst=total[:, nb * P:(nb + 1) * P], op=nl.copy, data=ps[:, nb * P:(nb + 1) * P],
                             scale=scales[:, c:c + 1])
-        return total
-    for k in range(n_k):
-        ps = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=ps, stationary=stationary[:, k, :], moving=codes[:, k, :], accumulate=False)
-        for nb in range(width // P):
-            blk = slice(nb * P, (nb + 1) * P)
-            c = (block0 + nb) * groups + k
-            if k == 0:
-                nisa.activation(dst=total[:, blk], op=nl.copy, data=ps[:, blk], scale=scales[:, c:c + 1])
-            else:  # ScalarE scales out of PSUM; the SBUF add alternates VectorE / GpSimdE (separate lanes)
-                part = nl.ndarray((rows, P), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=part, op=nl.copy, data=ps[:, blk], scale=scales[:, c:c + 1])
-                adder = nisa.engine.gpsimd if (nb + k) % 2 == 1 else nisa.engine.vector
-                nisa.tensor_tensor(dst=total[:, blk], data1=total[:, blk], data2=part, op=nl.add, engine=adder)
-    return total
+        return total, counter
+    counter = block_scale.contract_pow2(stationary, slice(0, rows), codes, n_k, scales, block0, groups, rows, width,
+                                        total, True, counter, vector_blocks)
+    return total, counter
 
 
 def transpose_rows(x, rows, blocks, dtype):
@@ -100,28 +96,33 @@ def transpose_rows(x, rows, blocks, dtype):
 
 
 def gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, resident=None):
-    """act [rows, I] bf16 = SiLU(gate) * weight * up for one block (gate/up scaled; GLM clamp when limit > 0)."""
-    rows, g_h, inter, g_i, g13, _g2, limit = dims
+    """(act [rows, I] bf16 = SiLU(gate) * weight * up for one block (gate/up scaled; GLM clamp when limit > 0),
+    the block's pow2 block count so far)."""
+    rows, g_h, inter, g_i, g13, _g2, limit, vector_blocks = dims
     act = nl.ndarray((rows, inter), dtype=nl.bfloat16, buffer=nl.sbuf)
+    counter = 0
     for c0 in range(0, inter, SLAB):
         w = min(SLAB, inter - c0)
         w_gate = weight_slab(w13, expert, c0, w, resident)
         w_up = weight_slab(w13, expert, inter + c0, w, resident)
-        gate = scaled_contract(h_t, w_gate, g_h, sc13, c0 // P, g13, mode, rows, w)
-        up = scaled_contract(h_t, w_up, g_h, sc13, g_i + c0 // P, g13, mode, rows, w)
+        gate, counter = scaled_contract(h_t, w_gate, g_h, sc13, c0 // P, g13, mode, rows, w, None, counter, vector_blocks)
+        up, counter = scaled_contract(h_t, w_up, g_h, sc13, g_i + c0 // P, g13, mode, rows, w, None, counter,
+                                      vector_blocks)
         if limit > 0:
             nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
             nisa.tensor_scalar(dst=up, data=up, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
         silu = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=silu, op=nl.silu, data=gate)
         nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=weight, engine=nisa.engine.scalar)
-        nisa.tensor_tensor(dst=act[:, c0:c0 + w], data1=up, data2=silu, op=nl.multiply)
-    return act
+        # both in SBUF: GpSimd takes the product when VectorE carries block scale-adds (as the dense kernel)
+        product_engine = nisa.engine.gpsimd if (mode == POW2 and vector_blocks > 0) else nisa.engine.vector
+        nisa.tensor_tensor(dst=act[:, c0:c0 + w], data1=up, data2=silu, op=nl.multiply, engine=product_engine)
+    return act, counter
 
 
-def down_slab(act_t, w2, sc2, expert, h0, width, dims, mode, total=None, resident=None):
-    """[rows, width] fp32 SBUF (``total`` when given): hidden columns [h0, h0 + width) of the block's down
-    projection, scaled."""
-    rows, _g_h, _inter, g_i, _g13, g2, _limit = dims
+def down_slab(act_t, w2, sc2, expert, h0, width, dims, mode, total=None, resident=None, counter=0):
+    """([rows, width] fp32 SBUF (``total`` when given): hidden columns [h0, h0 + width) of the block's down
+    projection, scaled; the pow2 block count advanced)."""
+    rows, _g_h, _inter, g_i, _g13, g2, _limit, vector_blocks = dims
     w_down = weight_slab(w2, expert, h0, width, resident)
-    return scaled_contract(act_t, w_down, g_i, sc2, h0 // P, g2, mode, rows, width, total)
+    return scaled_contract(act_t, w_down, g_i, sc2, h0 // P, g2, mode, rows, width, total, counter, vector_blocks)

@@ -2,7 +2,8 @@
 and writes what the tests judge (prompt logprobs, greedy tokens, errors) to a JSON file.
 
 Run as ``python _models_runner.py ARGS.json OUT.json``. ARGS: {"runs": [{"name", "model", "llm": {...},
-"dense_mla": bool, "rope_fix": bool}], "prompts": [str], "prompt_sets": [[str]], "max_tokens": int, "max_model_len": int}.
+"dense_mla": bool, "rope_fix": bool, "moe_isa": "vec"}], "prompts": [str], "prompt_sets": [[str]], "max_tokens": int,
+"max_model_len": int}.
 Every run is independent: a run that fails records its error and the next one still starts. Results are written
 after every run, so a child that aborts at shutdown (vLLM's CPU build at TP=2) has already delivered them.
 
@@ -11,6 +12,15 @@ after every run, so a child that aborts at shutdown (vLLM's CPU build at TP=2) h
 tests set) every prompt of one call is queued before the first engine step, so each call is scheduled as one batch,
 the same way every time. ``"rope_fix": false`` turns vllm_moe_w8.cpu_rope_fix's correction off for that run (the
 engine core must be in-process for it to reach the model).
+
+vLLM's CPU kernel choices depend on the CPU (AMX hosts get other kernels), so every run records what vLLM picked
+(engine core in this process only): ``"attention_backends"`` (the attention backend classes
+``CpuPlatform.get_attn_backend_cls`` returned), ``"attention_isas"`` (``cpu_attn._get_attn_isa``) and ``"moe_isas"``
+(the ``isa`` of every ``cpu_fused_moe`` call: vLLM's own unquantised MoE; empty under neuron-w8, whose op is its
+own). ``"moe_isa": "vec"`` pins vLLM's unquantised MoE to its portable ``"vec"`` kernel for that run (on AMX hosts
+vLLM would pick ``X86CPUUnquantizedExperts``, isa ``"amx"``; elsewhere it picks ``"vec"`` anyway): the
+architecture-specific experts classes report the device unsupported, so vLLM's own oracle selects
+``CPUUnquantizedExperts``. Ask the backend you mean with ``"llm": {"attention_backend": "CPU_MLA"}``.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import sys
 import traceback
 
@@ -49,9 +60,58 @@ def _prompt_logprobs(output) -> list[float]:
     return out
 
 
+_picked: dict[str, list] = {"attention_backends": [], "attention_isas": [], "moe_isas": []}
+
+
+def _record_kernel_choices() -> None:
+    """Wrap the three places vLLM's CPU build picks a kernel, to record what it picked (this process only)."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends import cpu_attn
+
+    backend_cls = CpuPlatform.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(cls, *a, **kw):
+        path = backend_cls(cls, *a, **kw)
+        _picked["attention_backends"].append(path.rsplit(".", 1)[-1])
+        return path
+
+    attn_isa, fused_moe = cpu_attn._get_attn_isa, cpu_moe.cpu_fused_moe
+
+    def get_attn_isa(*a, **kw):
+        isa = attn_isa(*a, **kw)
+        _picked["attention_isas"].append(isa)
+        return isa
+
+    def cpu_fused_moe(*a, **kw):
+        _picked["moe_isas"].append(kw["isa"] if "isa" in kw else a[9])
+        return fused_moe(*a, **kw)
+
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    cpu_attn._get_attn_isa, cpu_moe.cpu_fused_moe = get_attn_isa, cpu_fused_moe
+
+
+def _pin_moe_isa(isa: str | None):
+    """``"vec"``: vLLM's arch-specific unquantised experts (x86 AMX, Arm, Power) report the device unsupported."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    classes = (cpu_moe.X86CPUUnquantizedExperts, cpu_moe.ArmCPUUnquantizedExperts, cpu_moe.PowerCPUUnquantizedExperts)
+    if isa is None:
+        return []
+    if isa != "vec":
+        raise ValueError(f"moe_isa {isa!r}: only 'vec' can be pinned")
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise ValueError("moe_isa needs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    saved = [(c, c.__dict__["_supports_current_device"]) for c in classes]
+    for c in classes:
+        c._supports_current_device = staticmethod(lambda: False)
+    return saved
+
+
 def run(args: dict, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
+    _record_kernel_choices()
     results = {}
     for spec in args["runs"]:
         kwargs = dict(max_model_len=args.get("max_model_len", 128), enforce_eager=True,
@@ -64,7 +124,14 @@ def run(args: dict, out_path: str) -> None:
         from vllm_moe_w8.vllm_glue import cpu_rope_fix
 
         cpu_rope_fix.enabled = spec.get("rope_fix", True)
+        for picks in _picked.values():
+            picks.clear()
+        from vllm.v1.attention import selector
+
+        selector._cached_get_attn_backend.cache_clear()  # each run asks the platform again (so it is recorded)
+        pinned = []
         try:
+            pinned = _pin_moe_isa(spec.get("moe_isa"))
             llm = LLM(model=spec["model"], **kwargs)
             params = SamplingParams(max_tokens=args.get("max_tokens", 4), temperature=0.0, prompt_logprobs=0, logprobs=0)
             outs = llm.generate(args["prompts"], params)
@@ -77,6 +144,9 @@ def run(args: dict, out_path: str) -> None:
         except Exception as exc:  # recorded for the test to report
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry["traceback"] = traceback.format_exc()[-4000:]
+        for cls, original in pinned:
+            cls._supports_current_device = original
+        entry.update({key: sorted(set(picks)) for key, picks in _picked.items()})
         results[spec["name"]] = entry
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -13,6 +13,58 @@ from hypothesis import settings
 
 TESTS_DIR = Path(__file__).parent
 
+# The /proc/cpuinfo flags that select code paths here: the plugin's native MoE kernels (op/native.py: avx512bf16
+# needs avx512f/bw/vl/vbmi + avx512_bf16 + fma, avx2 needs avx2 + fma + f16c) and vLLM 0.32's CPU kernels (AMX for
+# bf16 attention, bf16 MoE, MLA and small bf16 GEMMs when amx_tile is present; avx512_bf16 for its GDN and conv1d).
+CODE_PATH_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16", "avx512_vnni",
+                   "avx512_fp16")
+AMX_FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+
+
+def cpu_model(path: str = "/proc/cpuinfo") -> str:
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def cpu_variant(flags: frozenset[str]) -> str:
+    """This project's name for the machine variant: which of vLLM's / the plugin's CPU code paths run here."""
+    if "amx_tile" in flags:
+        return "Intel AMX"
+    if "avx512f" in flags:
+        return "AVX-512 without AMX" + (" (avx512_bf16)" if "avx512_bf16" in flags else "")
+    if "avx2" in flags:
+        return "AVX2-only"
+    return "no AVX2"
+
+
+def cpu_variant_line(flags: frozenset[str], model: str) -> str:
+    """One line naming the CPU, its code-path flags and its AMX state (pytest's header; tests quote it)."""
+    have = " ".join(f for f in CODE_PATH_FLAGS if f in flags) or "-"
+    amx = " ".join(f for f in AMX_FLAGS if f in flags)
+    amx_text = f"yes ({amx}): vLLM picks AMX kernels for bf16" if "amx_tile" in flags else "no"
+    return f"cpu: {model} | {cpu_variant(flags)} | {have} | amx: {amx_text}"
+
+
+def this_cpu_flags() -> frozenset[str]:
+    from vllm_moe_w8.vllm_glue.cpu_amx_permission import cpu_flags  # reads /proc/cpuinfo; imports neither torch nor vLLM
+
+    return cpu_flags()
+
+
+CPU_FLAGS = this_cpu_flags()
+CPU_VARIANT = cpu_variant(CPU_FLAGS)
+CPU_LINE = cpu_variant_line(CPU_FLAGS, cpu_model())
+
+
+def pytest_report_header(config):
+    return CPU_LINE
+
 # CI (CI=true) replays the same hypothesis examples every run, so a red CI is reproducible and never a coin toss;
 # local runs keep exploring new examples (and store failures in .hypothesis/ for replay).
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
@@ -57,12 +109,15 @@ def tiny_twin(tiny_checkpoint):
     return make
 
 
-def run_models_child(args: dict, workdir: Path, env: dict | None = None, timeout: float = 900) -> dict:
+def run_models_child(args: dict, workdir: Path, env: dict | None = None, timeout: float = 900,
+                     may_die: bool = False) -> dict:
     """Run ``tests/_models_runner.py`` in a fresh process; return its JSON results (see that module), plus
-    ``_log`` (the end of the child's output) and ``_plugin_log`` (every ``neuron-w8:`` log line, all ranks).
+    ``_log`` (the end of the child's output), ``_plugin_log`` (every ``neuron-w8:`` log line, all ranks) and
+    ``_returncode``.
 
     The results file is judged even when the child exits non-zero after writing it (vLLM's CPU build
-    may abort at shutdown with TP=2); with no results at all the child's log is shown.
+    may abort at shutdown with TP=2); with no results at all the child's log is shown, unless ``may_die``
+    (a test that expects the child to be killed): then only the ``_`` keys come back.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     args_path, out_path = workdir / "args.json", workdir / "results.json"
@@ -72,9 +127,9 @@ def run_models_child(args: dict, workdir: Path, env: dict | None = None, timeout
                           capture_output=True, text=True, timeout=timeout, env=child_env, cwd=workdir)
     full_log = proc.stdout + proc.stderr
     log = full_log[-8000:]
-    if not out_path.exists():
+    if not out_path.exists() and not may_die:
         raise AssertionError(f"the vLLM child wrote no results (exit {proc.returncode}):\n{log}")
-    results = json.loads(out_path.read_text())
+    results = json.loads(out_path.read_text()) if out_path.exists() else {}
     results["_log"] = log
     results["_plugin_log"] = [line for line in full_log.splitlines() if "neuron-w8:" in line]  # every rank's load lines
     results["_returncode"] = proc.returncode

@@ -13,6 +13,14 @@ named tolerance. GLM-5's DSA attention is refused by the CPU build ("Sparse Atte
 supported on CPU"); its runs use dense MLA (``_models_runner.dense_mla``), which equals DSA for
 prompts no longer than ``index_topk`` (64 here), so the checkpoint, its MoE and its MLA run for real.
 
+Both runs use the same vLLM kernels on every CPU variant (AVX2-only, AVX-512, Intel AMX), so the gate compares
+the plugin's MoE with vLLM's and nothing else: the MLA case asks for vLLM's reference MLA backend (``CPU_MLA``; on
+AMX hosts vLLM would otherwise pick ``AMX_MLA``, which refuses fp32 weights), and the twin's MoE is pinned to vLLM's
+portable ``"vec"`` kernel (``_models_runner`` ``moe_isa``; on AMX hosts vLLM would pick its ``"amx"`` BF16 kernel for
+the bf16 cases, see ``LOGPROB_ATOL_BF16``). Every other kernel vLLM picks by CPU (attention ISA, GEMMs, Gated
+DeltaNet) is picked alike in both runs of a case; ``test_runs_used_the_kernels_the_gate_assumes`` checks the choices
+vLLM recorded.
+
 Both runs schedule alike: the engine core runs in the child's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
 three prompts of one ``generate`` call always form one batch. (With the engine core in its own process a batch
 depended on message timing; under vLLM's CPU rotary bug for MLA that made GLM-5 flaky, see
@@ -43,6 +51,12 @@ LOGPROB_ATOL_FP32 = 1e-4
 # (measured on Qwen3.5-MoE: max 0.031, mean 0.008). One expert's scale tile doubled in the checkpoint
 # moved the max to 0.29 (Qwen3.5-MoE) and 0.23 (Qwen3.5 text, fp16 scales): the 0.1 gate catches it with a
 # 2.3x margin, while the mean (0.022, 0.025) would not; the max is the gate that matters here.
+# These figures hold on every CPU variant because the twin's MoE is pinned to vLLM's "vec" kernel (exact bf16 x bf16
+# products summed in fp32, cpu_micro_gemm_vec.hpp), the kernel an AVX-512 or AVX2 host runs anyway: on an Intel AMX
+# host vLLM's default for a bf16 twin is its "amx" kernel (X86CPUUnquantizedExperts, tile dot-products with other
+# rounding), which moved the max to 0.167 (mean 0.0107) and left no margin. The two runs of a case then differ in
+# the MoE only (neuron-w8's op: the same avx512bf16 kernel on EPYC and on AMX Xeons, both have avx512_bf16; avx2 on
+# AVX2-only hosts, the same fp32 semantics) and vLLM's other CPU-dependent choices are the same in both runs.
 LOGPROB_ATOL_BF16 = 0.1
 # ... and its mean over all prompt tokens must be smaller still (no systematic bias).
 LOGPROB_MEAN_ATOL_BF16 = 0.025
@@ -52,6 +66,13 @@ PROMPTS = [
     "Mixture of experts models route every token to a few experts out of many.",
     "What is the capital of France? Paris is the capital of France.",
 ]
+
+# The MLA backend every MLA run asks for: vLLM's reference CPU MLA (any dtype). Without the request vLLM 0.32 picks
+# AMX_MLA on AMX hosts (vllm/platforms/cpu.py get_attn_backend_cls), which takes bf16 only and refuses these fp32
+# weights at load ("expect weight to be bfloat16, ..."); elsewhere it picks CPU_MLA anyway.
+MLA_BACKEND = "CPU_MLA"
+# The twin's unquantised MoE kernel (see LOGPROB_ATOL_BF16): vLLM's portable one, the same on every host.
+TWIN_MOE_ISA = "vec"
 
 # case -> (tiny_models architecture, fmt, scale dtype, vLLM dtype, dense_mla)
 CASES = {
@@ -80,9 +101,11 @@ def case(request, tiny_checkpoint, tiny_twin, tmp_path_factory):
     ckpt = tiny_checkpoint(arch, fmt, scale_dtype=scale_dtype)
     twin = tiny_twin(arch, fmt, dtype=torch.float32, scale_dtype=scale_dtype)
     work = tmp_path_factory.mktemp(name)
-    quant = {"quantization": "neuron-w8", "dtype": dtype}
+    backend = {"attention_backend": MLA_BACKEND} if dense else {}
+    quant = {"quantization": "neuron-w8", "dtype": dtype, **backend}
     runs = [{"name": "neuron-w8", "model": str(ckpt), "dense_mla": dense, "llm": quant},
-            {"name": "twin", "model": str(twin), "dense_mla": dense, "llm": {"dtype": dtype}}]
+            {"name": "twin", "model": str(twin), "dense_mla": dense, "llm": {"dtype": dtype, **backend},
+             "moe_isa": TWIN_MOE_ISA}]
     for fault, (_what, breaker) in FAULTS.items():
         broken = corrupt.copy_checkpoint(ckpt, work / f"broken-{fault}")
         breaker(broken)
@@ -106,6 +129,7 @@ def logprob_gate(case: str, quant: dict, twin: dict) -> None:
     diffs = [abs(a - b) for qa, ta in zip(quant["prompt_logprobs"], twin["prompt_logprobs"]) for a, b in zip(qa, ta)]
     assert len(diffs) == sum(len(t) for t in twin["prompt_logprobs"]) > 30
     worst, mean = max(diffs), sum(diffs) / len(diffs)
+    print(f"{case}: max |dlogprob| {worst:.3g}, mean {mean:.3g}")
     if CASES[case][3] == "float32":
         assert worst <= LOGPROB_ATOL_FP32, f"{case}: max |dlogprob| {worst:.3g} > {LOGPROB_ATOL_FP32} (mean {mean:.3g})"
     else:
@@ -139,3 +163,22 @@ def test_offline_generate(case):
     if CASES[case][3] == "float32":
         # Same weights, fp32: greedy decoding must pick the same tokens.
         assert quant["tokens"] == twin["tokens"], (quant["text"], twin["text"])
+
+
+def test_runs_used_the_kernels_the_gate_assumes(case):
+    """What vLLM recorded picking, the same on every CPU variant: the MLA case ran CPU_MLA in every run, the others
+    vLLM's CPU attention with one attention ISA in all runs of the case, the twin's MoE ran vLLM's "vec" kernel and
+    nothing else, and the neuron-w8 runs ran no vLLM MoE kernel at all (every routed expert through the plugin's op)."""
+    case, results = case
+    names = ["neuron-w8", "twin", *FAULTS]
+    entries = {name: _entry(results, name) for name in names}
+    for name, entry in entries.items():
+        assert entry["attention_backends"], f"{name}: no attention backend recorded (engine core not in the child?)"
+        if CASES[case][4]:
+            assert entry["attention_backends"] == ["CPUMLABackend"], (name, entry["attention_backends"])
+        else:
+            assert entry["attention_backends"] == ["CPUAttentionBackend"], (name, entry["attention_backends"])
+        want_moe = [TWIN_MOE_ISA] if name == "twin" else []
+        assert entry["moe_isas"] == want_moe, (name, entry["moe_isas"])
+        # the kernels vLLM picks by CPU are picked alike in every run of the case (on AMX hosts: "amx" for bf16)
+        assert entry["attention_isas"] == entries["twin"]["attention_isas"], (name, entry["attention_isas"])

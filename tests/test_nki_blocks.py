@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_moe_w8.kernels import host, launch
+from vllm_moe_w8.kernels import host, launch, schedule
 from vllm_moe_w8.kernels.nki_api import BACKEND
 from vllm_moe_w8.neuron_glue import kernel_check as kc
 
@@ -28,7 +28,7 @@ def qwen_layers(qwen_ckpt):
     return {mode: kc.repacked(qwen_ckpt, mode) for mode in ("pow2", "output-block")}
 
 
-def gate(layer, tokens, top_k, lnc, seed, fault=None, swiglu_limit=0.0, empty_expert=None):
+def gate(layer, tokens, top_k, lnc, seed, fault=None, swiglu_limit=0.0, empty_expert=None, vector_blocks=None):
     """(passed, err/bound, stats) of one simulate_routed call vs the reference; ``fault(kw)`` corrupts the kernel's
     copy of the weights only."""
     w13, s13, w2, s2, block = layer
@@ -39,7 +39,8 @@ def gate(layer, tokens, top_k, lnc, seed, fault=None, swiglu_limit=0.0, empty_ex
     x = torch.randn(tokens, w2.shape[1], generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     tw, ti = kc.routing(tokens, w13.shape[0], top_k, seed, empty_expert)
     stats = []
-    out = launch.simulate_routed(x, tw, ti, kw, lnc=lnc, stats=stats, swiglu_limit=swiglu_limit)
+    out = launch.simulate_routed(x, tw, ti, kw, lnc=lnc, stats=stats, swiglu_limit=swiglu_limit,
+                                 vector_blocks=vector_blocks)
     ref = kc.reference_moe(x, tw, ti, w13, s13, w2, s2, *block, "e4m3", swiglu_limit=swiglu_limit)
     ok, _err, ratio = kc.within_bound(out, ref, kc.error_bound(x, tw, ti, w13, s13, w2, s2, block, swiglu_limit))
     unrouted = ((ti < 0) | (tw == 0)).all(dim=1)
@@ -63,6 +64,33 @@ def test_the_gate_refuses_one_doubled_scale_tile(qwen_layers, tokens):
 
     ok, ratio, _ = gate(qwen_layers["pow2"], tokens, top_k=4, lnc=2, seed=tokens, fault=double_tile)
     assert not ok and ratio > 1
+
+
+SCHEDULES = sorted(schedule.SCHEDULES.items())
+
+
+@pytest.mark.parametrize("scenario,vector_blocks", SCHEDULES + [("all-vector", schedule.BLOCK_PERIOD)])
+@pytest.mark.parametrize("tokens", [2, 140])
+def test_block_kernels_follow_the_pow2_schedule(qwen_layers, scenario, vector_blocks, tokens):
+    """Every engine split of kernels/schedule.py (block_scale.contract_pow2 in the block kernels) passes the gate,
+    puts the block scale-adds where the schedule says (VectorE scalar_tensor_tensor iff vector_blocks > 0, GpSimd
+    [rows, 128] adds in SBUF iff some block is off VectorE; I = 512 so the activation products are 512 wide), and the interpreter's GpSimd/PSUM rule held for every op."""
+    ok, ratio, stats = gate(qwen_layers["pow2"], tokens, top_k=4, lnc=1, seed=tokens, vector_blocks=vector_blocks)
+    assert ok, f"{scenario}: err/bound {ratio:.3f}"
+    if BACKEND == "interpreter":
+        ops = {(eng, op) for st in stats[0] for (eng, op, _p, _f) in st.engine_ops}
+        assert (("vector", "scalar_tensor_tensor") in ops) == (vector_blocks > 0), scenario
+        gpsimd_block_adds = {(eng, op) for st in stats[0] for (eng, op, _p, free) in st.engine_ops if free == 128}
+        assert (("gpsimd", "tensor_tensor") in gpsimd_block_adds) == (vector_blocks < schedule.BLOCK_PERIOD), scenario
+
+
+@pytest.mark.parametrize("scenario,vector_blocks", SCHEDULES)
+def test_the_gate_refuses_a_doubled_scale_tile_in_every_schedule(qwen_layers, scenario, vector_blocks):
+    def double_tile(kw):
+        kw.w13_scales[0, 2, 3] *= 2
+
+    ok, ratio, _ = gate(qwen_layers["pow2"], 3, top_k=4, lnc=1, seed=3, fault=double_tile, vector_blocks=vector_blocks)
+    assert not ok and ratio > 1, scenario
 
 
 def test_the_gate_refuses_swapped_gate_and_up(qwen_layers):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_moe_w8.kernels.nki_cpu import NkiValidationError, cost, cost_dynamic, jit, run
+from vllm_moe_w8.kernels.nki_cpu import NkiValidationError, calibration, cost, cost_dynamic, jit, run
 from vllm_moe_w8.kernels.nki_cpu import isa as nisa
 from vllm_moe_w8.kernels.nki_cpu import language as nl
 
@@ -197,15 +197,19 @@ def test_dma_read_modify_write_adds_exactly_and_refuses_repeated_rows():
         run(scatter_add_kernel, base, col([4, 0, 6]), values)
 
 
-def test_the_cost_model_charges_descriptors_register_loads_and_loop_trips():
+@pytest.mark.parametrize("scenario", sorted(calibration.SCENARIOS))
+def test_the_cost_model_charges_descriptors_register_loads_and_loop_trips(scenario):
+    sc = calibration.SCENARIOS[scenario]
+    c = sc.constants
     order = col([3, 3, 6, 1, 0])
     _, none = run(row_sum_loop_kernel, TABLE, order, np.array([[0]], np.int32))
     _, five = run(row_sum_loop_kernel, TABLE, order, np.array([[5]], np.int32))
-    e0, e5 = cost.estimate(none), cost.estimate(five)
-    assert e5.control_s - e0.control_s == pytest.approx(5 * cost_dynamic.DYNAMIC_ITERATION_S.value)
-    assert e0.control_s == pytest.approx(cost_dynamic.REGISTER_LOAD_S.value)
-    assert e5.time_s > e0.time_s + 5 * cost_dynamic.DYNAMIC_ITERATION_S.value * 0.99
+    e0, e5 = cost.estimate(none, sc), cost.estimate(five, sc)
+    assert e5.control_s - e0.control_s == pytest.approx(5 * c.dynamic_iteration_s)
+    assert e0.control_s == pytest.approx(c.register_load_s)
+    assert e5.time_s > e0.time_s + 5 * c.dynamic_iteration_s * 0.99
     _, gathered = run(gather_rows_kernel, TABLE, col([5, 0, 7, 5]))
-    assert cost_dynamic.descriptor_seconds(gathered) == pytest.approx(3 * cost_dynamic.INDIRECT_DESCRIPTOR_S.value)
-    for c in cost_dynamic.CONSTANTS.values():
-        assert c.source.startswith(("assumed", "fitted", "AWS"))
+    assert cost_dynamic.descriptor_seconds(gathered, c) == pytest.approx(3 * c.indirect_descriptor_s)
+    assert cost.estimate(gathered, sc).dge_s == pytest.approx(gathered.dma_count * c.dge_per_dma_s + 3 * c.indirect_descriptor_s)
+    for name in cost_dynamic.CONSTANT_NAMES:
+        assert getattr(c, name) > 0 and sc.sources[name].startswith("assumed"), (scenario, name)

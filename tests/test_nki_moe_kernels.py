@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_moe_w8.kernels import host, launch
+from vllm_moe_w8.kernels import host, launch, schedule
 from vllm_moe_w8.kernels.moe_w8 import T_MAX, moe_w8_output_block, moe_w8_pow2
 from vllm_moe_w8.kernels.nki_api import BACKEND
 from vllm_moe_w8.neuron_glue.kernel_check import ACT_BF16_ROUNDOFF, checkpoint_experts, error_bound, repacked, routing
@@ -54,9 +54,33 @@ def kernel_gate(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> No
     assert float((out - ref).norm() / ref.norm()) < 4 * ACT_BF16_ROUNDOFF
 
 
-def check_kernel(ckpt, mode, tokens, top_k, seed, swiglu_limit=0.0, fault=None):
+# The pow2 kernel's engine schedules (kernels/schedule.py): every block's scale-add on ScalarE + GpSimd (fitted),
+# or 5 of every 16 on VectorE (documented). Same fp32 operations, different engines: both must pass the same gate.
+SCHEDULES = sorted(schedule.SCHEDULES.items())
+
+
+def _simulate(x, topk_weights, topk_ids, kw, stats, swiglu_limit, vector_blocks):
+    """launch.simulate_moe with the pow2 kernel's schedule given explicitly (a trace-time constant)."""
+    if vector_blocks is None:
+        return launch.simulate_moe(x, topk_weights, topk_ids, kw, stats, swiglu_limit=swiglu_limit)
+    from vllm_moe_w8.kernels.nki_cpu import run
+
+    aff = host.dense_affinities(topk_weights, topk_ids, kw.num_experts)
+
+    def one_call(hidden, aff_chunk):
+        args = launch.kernel_args(hidden, aff_chunk, kw)
+        host.check_kernel_args(*args, mode="pow2", swiglu_limit=swiglu_limit)
+        out, st = run(moe_w8_pow2, *args, float(swiglu_limit), vector_blocks=vector_blocks)
+        stats.append(st)
+        return torch.from_numpy(np.asarray(out, dtype=np.float32)).sum(dim=0)
+
+    return host.run_chunked(one_call, x, aff)
+
+
+def check_kernel(ckpt, mode, tokens, top_k, seed, swiglu_limit=0.0, fault=None, vector_blocks=None):
     """Run the kernel for ``mode`` and gate it against the reference; ``fault(kw)`` corrupts the kernel's
-    weights only (the reference keeps the checkpoint's), for the gate's fault-injection twin."""
+    weights only (the reference keeps the checkpoint's), for the gate's fault-injection twin. ``vector_blocks``:
+    the pow2 kernel's engine schedule (None: the one loaded at import)."""
     w13, s13, w2, s2, block = repacked(ckpt, mode)
     num_experts, hidden = w13.shape[0], w2.shape[1]
     x = (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))).to(torch.bfloat16)
@@ -67,7 +91,7 @@ def check_kernel(ckpt, mode, tokens, top_k, seed, swiglu_limit=0.0, fault=None):
         kw = host.KernelWeights(kw.w13.clone(), kw.w13_scales.clone(), kw.w2.clone(), kw.w2_scales.clone(), kw.mode)
         fault(kw)
     stats = []
-    out = launch.simulate_moe(x, topk_weights, topk_ids, kw, stats, swiglu_limit=swiglu_limit)
+    out = _simulate(x, topk_weights, topk_ids, kw, stats, swiglu_limit, vector_blocks)
     ref = reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3", swiglu_limit=swiglu_limit)
     if swiglu_limit > 0:  # the clamp must bite, or this case tests nothing
         assert not torch.equal(ref, reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3"))
@@ -92,6 +116,15 @@ def test_pow2_qwen35_shape(qwen_ckpt, tokens):
     check_kernel(qwen_ckpt, "pow2", tokens, top_k=8, seed=tokens)
 
 
+@pytest.mark.parametrize("scenario,vector_blocks", SCHEDULES)
+def test_pow2_schedules_qwen35_width(qwen_ckpt, scenario, vector_blocks):
+    stats = check_kernel(_slice_experts(qwen_ckpt, 4), "pow2", 16, top_k=4, seed=11, vector_blocks=vector_blocks)
+    if BACKEND == "interpreter":  # the schedule decides the engines, nothing else
+        ops = {(eng, op) for st in stats for (eng, op, _p, _f) in st.engine_ops}
+        assert (("vector", "scalar_tensor_tensor") in ops) == (vector_blocks > 0)
+        assert ("gpsimd", "tensor_tensor") in ops
+
+
 @pytest.mark.parametrize("tokens", [7, 128])
 def test_output_block_qwen35_width(qwen_ckpt, tokens):
     check_kernel(_slice_experts(qwen_ckpt, 8), "output-block", tokens, top_k=4, seed=tokens)
@@ -102,8 +135,9 @@ def test_output_block_qwen35_width(qwen_ckpt, tokens):
 GLM_TEST_SWIGLU_LIMIT = 0.5
 
 
-def test_pow2_glm_shape(glm_ckpt):
-    check_kernel(glm_ckpt, "pow2", 24, top_k=3, seed=5, swiglu_limit=GLM_TEST_SWIGLU_LIMIT)
+@pytest.mark.parametrize("scenario,vector_blocks", SCHEDULES)
+def test_pow2_glm_shape(glm_ckpt, scenario, vector_blocks):
+    check_kernel(glm_ckpt, "pow2", 24, top_k=3, seed=5, swiglu_limit=GLM_TEST_SWIGLU_LIMIT, vector_blocks=vector_blocks)
 
 
 def test_output_block_glm_shape(glm_ckpt):
@@ -129,12 +163,23 @@ def _flip_one_code(kw):
     codes.view(-1)[flat] ^= 0x80
 
 
-@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+@pytest.mark.parametrize("mode,vector_blocks", [("pow2", v) for _s, v in SCHEDULES] + [("output-block", None)])
 @pytest.mark.parametrize("fault", [_double_one_scale_tile, _swap_gate_up, _flip_one_code], ids=lambda f: f.__name__[1:])
-def test_kernel_gate_catches_one_weight_fault(small_ckpt, mode, fault):
-    check_kernel(small_ckpt, mode, 8, top_k=2, seed=9)  # the clean weights pass
+def test_kernel_gate_catches_one_weight_fault(small_ckpt, mode, vector_blocks, fault):
+    check_kernel(small_ckpt, mode, 8, top_k=2, seed=9, vector_blocks=vector_blocks)  # the clean weights pass
     with pytest.raises(AssertionError, match="max err/bound"):
-        check_kernel(small_ckpt, mode, 8, top_k=2, seed=9, fault=fault)
+        check_kernel(small_ckpt, mode, 8, top_k=2, seed=9, fault=fault, vector_blocks=vector_blocks)
+
+
+def _double_one_down_scale_tile(kw):
+    kw.w2_scales[0, kw.w2_scales.shape[1] - 1, 0] *= 2  # expert 0 (routed), last hidden rows, first tile
+
+
+@pytest.mark.parametrize("scenario,vector_blocks", SCHEDULES)
+def test_pow2_gate_catches_a_down_scale_fault_in_every_schedule(small_ckpt, scenario, vector_blocks):
+    """The down projection's blocks accumulate straight into the output: a doubled down scale tile must show."""
+    with pytest.raises(AssertionError, match="max err/bound"):
+        check_kernel(small_ckpt, "pow2", 8, top_k=2, seed=9, fault=_double_one_down_scale_tile, vector_blocks=vector_blocks)
 
 
 # --- contract checks on the host, before every launch -------------------------------------------------------------------------------

@@ -138,3 +138,24 @@ def test_the_launch_arguments_trace_whole_under_torch_compile():
 
     for a, b in zip(args(x, tw, ti), torch.compile(args, fullgraph=True, backend="eager")(x, tw, ti)):
         assert torch.equal(a, b)
+
+
+def test_the_selective_threshold_is_the_recorded_decode_study():
+    """SELECTIVE_MAX_TOKENS per scenario is where bench_nki_kernels.py --routed found selective decode cheaper than
+    the all-expert kernel at both decode shapes; schedule_for follows the loaded scenario's threshold."""
+    import json
+    from pathlib import Path
+
+    from vllm_moe_w8.kernels import moe_w8
+
+    rec = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "results" /
+                      "bench_nki_routed_decode.json").read_text())
+    assert host_routed.SELECTIVE_MAX_TOKENS_BY_SCENARIO == rec["selective_cheaper_up_to_by_scenario"]
+    for name, t in rec["selective_cheaper_up_to_by_scenario"].items():
+        rows = [r for r in rec["rows"] if r["T"] > 1]
+        assert all(r[f"selective_{name}_ms"] < r[f"dense_{name}_ms"] for r in rows if r["T"] <= t), name
+        assert any(r[f"selective_{name}_ms"] >= r[f"dense_{name}_ms"] for r in rows if r["T"] > t) or t == 128, name
+    limit = host_routed.SELECTIVE_MAX_TOKENS
+    assert limit == host_routed.SELECTIVE_MAX_TOKENS_BY_SCENARIO[moe_w8.POW2_SCHEDULE.scenario]
+    assert host_routed.schedule_for(limit) == "selective" and host_routed.schedule_for(limit + 1) == "dense"
+    assert host_routed.schedule_for(129) == "blocks" and host_routed.block_rows(limit + 1) == 128

@@ -105,6 +105,9 @@ CASE_NAMES = [
 
 
 def test_intact_checkpoint_loads_and_generates(load_results):
+    """The control. Its prompt ("Hello", 3 tokens, bf16) stays this short on purpose: on Intel AMX hosts vLLM's AMX
+    attention kernel then runs before anything else in the process has requested the AMX tile permission, so this
+    is where the plugin's request (vllm_glue.cpu_amx_permission) is needed; without it the worker dies with SIGILL."""
     spec, r = load_results["intact"]
     assert r["loaded"] and r["error"] is None, r
     assert len(r["token_ids"]) == 2

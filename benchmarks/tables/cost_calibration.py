@@ -1,4 +1,4 @@
-"""README table: every published hardware figure of the reference kernels beside the calibrated model's."""
+"""README table: every published hardware figure of the reference kernels beside both scenarios' models."""
 
 from __future__ import annotations
 
@@ -24,15 +24,26 @@ def _fmt(figure: str, v: float) -> str:
     return f"{v:,.0f}"
 
 
+def _modelled(r: dict) -> str:
+    text = _fmt(r["figure"], r["modelled"])
+    if r["launch_part"]:
+        text += f" ({_fmt('x_s', r['modelled'] - r['launch_part'])} + {_fmt('x_s', r['launch_part'])} launch)"
+    return text
+
+
 def render(results_dir: Path) -> str:
     rec = json.loads((results_dir / "cost_model.json").read_text())["calibration"]
+    fitted, documented = rec["fitted"]["rows"], rec["documented"]["rows"]
     rows = []
-    for r in rec["rows"]:
-        modelled = _fmt(r["figure"], r["modelled"])
-        if r["launch_part"]:
-            modelled += f" ({_fmt('x_s', r['modelled'] - r['launch_part'])} kernel + {_fmt('x_s', r['launch_part'])} launch)"
-        rows.append([KERNEL_NAMES[r["kernel"]], r["T"], FIGURE_NAMES[r["figure"]], _fmt(r["figure"], r["published"]), modelled,
-                     f"{r['ratio']:.2f}", r["role"]])
-    inside = sum(r["within_band"] for r in rec["rows"])
-    return markdown_table(["kernel", "B", "figure", "published", "modelled", "modelled / published", "role"], rows) + (
-        f"\n{inside} of {len(rec['rows'])} figures within ±{rec['band']:.0%}.\n")
+    for f, d in zip(fitted, documented):
+        assert (f["figure"], f["kernel"], f["T"]) == (d["figure"], d["kernel"], d["T"])
+        role = f["role"] if f["role"] == d["role"] else f"{f['role']} (documented: {d['role']})"
+        rows.append([KERNEL_NAMES[f["kernel"]], f["T"], FIGURE_NAMES[f["figure"]], _fmt(f["figure"], f["published"]),
+                     _modelled(f), f"{f['ratio']:.2f}", _modelled(d), f"{d['ratio']:.2f}" + ("" if d["within_band"] else " **out**"),
+                     role])
+    band = rec["fitted"]["band"]
+    inside = {k: sum(r["within_band"] for r in rec[k]["rows"]) for k in ("fitted", "documented")}
+    return markdown_table(["kernel", "B", "figure", "published", "fitted model", "ratio", "documented model", "ratio",
+                           "role"], rows) + (
+        f"\nWithin ±{band:.0%}: fitted {inside['fitted']} of {len(fitted)}, documented {inside['documented']} of "
+        f"{len(documented)}.\n")

@@ -26,5 +26,8 @@ def render(results_dir: Path) -> str:
     return (markdown_table(headers, out) +
             f"\nOne NeuronCore-v3 (LNC=1), model outputs of `kernels/nki_cpu/cost.py` per scenario, not measurements; "
             f"T=1 routed to 1 or 2 local experts, larger T uniform top-{data['shapes'][next(iter(data['shapes']))]['k']} "
-            f"routing. Selective is used up to T = {data['selective_max_tokens']} (`host_routed.SELECTIVE_MAX_TOKENS`). "
+            f"routing; the pow2 kernels built with each scenario's engine schedule (`kernels/schedule.py`: "
+            f"{data['schedules']}). Selective is cheaper than all-expert at both shapes up to T = "
+            f"{data['selective_cheaper_up_to_by_scenario']} and used up to T = {data['selective_max_tokens']} "
+            "(`host_routed.SELECTIVE_MAX_TOKENS_BY_SCENARIO`, the calibration file's scenario). "
             f"Counted by the interpreter on {m['cpu_model']} (load {m['loadavg_1_5_15'][0]:.1f}).\n")

@@ -6,7 +6,7 @@ executed by this interpreter instead: the kernels' own source runs, with ``nl`` 
 FP8/BF16 storage from ml_dtypes. It enforces what Trn2 enforces (partition dim <= 128; nc_matmul shape,
 dtype and PSUM rules; ``accumulate=True`` only after an initialising matmul; PSUM 8 x 2 KiB banks and SBUF
 224 KiB per partition; DMA dtype matching; no reads of never-written memory; arithmetic operators only;
-no tensor_scalar on GpSimdE), refuses NKI arguments it does not model instead of ignoring them, checks a
+no tensor_scalar on GpSimdE; GpSimdE never touches PSUM), refuses NKI arguments it does not model instead of ignoring them, checks a
 kernel's source against the traced Python subset (:mod:`.subset`), and counts what a kernel does
 (:class:`Stats`), which :mod:`.cost` turns into an estimated NeuronCore-v3 time. README.md lists every rule
 with where it is enforced and the test that breaks it.

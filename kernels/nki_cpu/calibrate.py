@@ -16,6 +16,11 @@ column and then held fixed for the others:
 6. Rest-of-graph device time from the BF16 column; the two FP8 device times are predictions.
 
 ``instruction_overhead_cycles`` is AWS's documented figure, not fitted.
+
+The documented scenario (:data:`.calibration.DOCUMENTED`) holds the rules AWS documents fixed
+(``calibration.DOCUMENTED_RULES``: matmul cost ``max(N, 64)``, VectorE ‖ ScalarE, two-input VectorE 2N) and fits
+the rest the same way, except step 4: with the matmul cost given, the rest-of-graph TensorE time comes from the
+coalesced column alone and the first-pow2 occupancy becomes a prediction.
 """
 
 from __future__ import annotations
@@ -46,6 +51,13 @@ class RestOfGraph:
     tensor_busy_s: float
 
 
+def fit_figures(rules: dict | None = None) -> set[tuple[str, str, int]]:
+    """The figures a scenario's fit uses (the rest are predictions)."""
+    if rules and "matmul_fixed_cycles" in rules:
+        return FIT_FIGURES - {("tensor_occupancy", "first_pow2", 32)}
+    return set(FIT_FIGURES)
+
+
 def kernel_stats(kernel: str, tokens: int, layers: int = 1) -> Stats:
     shape = cal.REFERENCE_SHAPE
     return combine([(layers, KERNELS[kernel](tokens, shape["E"], shape["H"], shape["I"]))])
@@ -62,7 +74,9 @@ def _tensor_terms(s: Stats) -> tuple[float, int]:
     return cost.tensor_cycles(s, zero), count
 
 
-def fit() -> tuple[cal.Constants, RestOfGraph]:
+def fit(rules: dict | None = None) -> tuple[cal.Constants, RestOfGraph]:
+    """Fit the constants to the published figures; ``rules`` holds constants fixed (a scenario's documented ones)."""
+    rules = dict(rules or {})
     pub, layers = cal.published, cal.PROFILE_LAYERS
     moe = {k: kernel_stats(k, 32, layers) for k in ("bf16", "first_pow2", "coalesced_pow2")}
 
@@ -73,14 +87,19 @@ def fit() -> tuple[cal.Constants, RestOfGraph]:
     dma_rate = 1.0 / per_byte
 
     busy = {k: pub("tensor_occupancy", k) * pub("device_s", k) for k in ("first_pow2", "coalesced_pow2")}
-    (c1, m1), (c2, m2) = _tensor_terms(moe["first_pow2"]), _tensor_terms(moe["coalesced_pow2"])
     hz = cost.TENSOR_HZ
-    # busy_k = rest + (c_k + m_k * fixed) / hz for k in (first, coalesced)
-    mm_fixed = ((busy["first_pow2"] - busy["coalesced_pow2"]) * hz - (c1 - c2)) / (m1 - m2)
-    rest_tensor = busy["coalesced_pow2"] - (c2 + m2 * mm_fixed) / hz
+    if "matmul_fixed_cycles" in rules:  # documented: the matmul cost is given, one column fixes the rest of the graph
+        mm_fixed = rules.pop("matmul_fixed_cycles")
+        given = cal.CALIBRATED.replace(matmul_fixed_cycles=mm_fixed, **{k: v for k, v in rules.items() if k.startswith("matmul")})
+        rest_tensor = busy["coalesced_pow2"] - layers * cost.tensor_cycles(kernel_stats("coalesced_pow2", 32), given) / hz
+    else:
+        (c1, m1), (c2, m2) = _tensor_terms(moe["first_pow2"]), _tensor_terms(moe["coalesced_pow2"])
+        # busy_k = rest + (c_k + m_k * fixed) / hz for k in (first, coalesced)
+        mm_fixed = ((busy["first_pow2"] - busy["coalesced_pow2"]) * hz - (c1 - c2)) / (m1 - m2)
+        rest_tensor = busy["coalesced_pow2"] - (c2 + m2 * mm_fixed) / hz
 
     base = cal.Constants(dma_bytes_per_s=dma_rate, dma_fixed_s=dma_fixed, dge_per_dma_s=dge, matmul_fixed_cycles=mm_fixed,
-                         instruction_overhead_cycles=cal.CALIBRATED.instruction_overhead_cycles, launch_s=0.0)
+                         instruction_overhead_cycles=cal.CALIBRATED.instruction_overhead_cycles, launch_s=0.0, **rules)
     c = _with_launch(base)
     rest = RestOfGraph(
         device_s=pub("device_s", "bf16") - layers * cost.estimate(kernel_stats("bf16", 32), c).time_s,
@@ -130,11 +149,12 @@ def modelled_figures(c: cal.Constants, rest: RestOfGraph) -> dict[tuple[str, str
     return out
 
 
-def comparison(c: cal.Constants | None = None, rest: RestOfGraph | None = None) -> list[dict]:
+def comparison(c: cal.Constants | None = None, rest: RestOfGraph | None = None, rules: dict | None = None) -> list[dict]:
     """One row per published figure: published, modelled, ratio, fit or prediction, within the band."""
     if c is None or rest is None:
-        c, rest = fit()
+        c, rest = fit(rules)
     model = modelled_figures(c, rest)
+    fitted_here = fit_figures(rules)
     rows = []
     for p in cal.PUBLISHED:
         key = (p.figure, p.kernel, p.tokens)
@@ -142,14 +162,15 @@ def comparison(c: cal.Constants | None = None, rest: RestOfGraph | None = None) 
         launch = c.launch_s if p.figure == "call_s" else 0.0  # the profile is a compiled graph: no launch
         rows.append({"figure": p.figure, "kernel": p.kernel, "T": p.tokens, "published": p.value, "modelled": model[key],
                      "launch_part": launch,
-                     "ratio": ratio, "role": "fit" if key in FIT_FIGURES else "prediction", "source": p.source,
+                     "ratio": ratio, "role": "fit" if key in fitted_here else "prediction", "source": p.source,
                      "within_band": abs(ratio - 1) <= cal.BAND})
     return rows
 
 
-def record() -> dict:
-    """What the benchmark writes: constants (with sources), rest of graph, the comparison rows."""
-    c, rest = fit()
-    return {"constants": asdict(c), "constant_sources": cal.SOURCES, "rest_of_graph": asdict(rest),
-            "documented": {k: {"value": v.value, "unit": v.unit, "source": v.source} for k, v in cal.DOCUMENTED.items()},
-            "band": cal.BAND, "rows": comparison(c, rest)}
+def record(scenario: cal.Scenario = cal.FITTED) -> dict:
+    """What the benchmark writes for one scenario: constants (with sources), rest of graph, the comparison rows."""
+    c, rest = fit(scenario.rules)
+    return {"scenario": scenario.name, "constants": asdict(c), "constant_sources": scenario.sources,
+            "rest_of_graph": asdict(rest),
+            "documented": {k: {"value": v.value, "unit": v.unit, "source": v.source} for k, v in cal.DOCUMENTED_FIGURES.items()},
+            "band": cal.BAND, "rows": comparison(c, rest, scenario.rules)}

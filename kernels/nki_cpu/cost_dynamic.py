@@ -1,6 +1,8 @@
 """Cost of the runtime-dependent features (:mod:`.dynamic`): indirect DMA descriptor generation, register loads
 and dynamic-loop iterations. Kept apart from :mod:`.cost`'s static rules and :mod:`.calibration`'s fitted
-constants; :func:`.cost.estimate` adds these terms (GpSimd lane and a serial control term).
+constants; :func:`.cost.estimate` adds these terms (GpSimd lane and a serial control term). The three constants are
+:class:`.calibration.Constants` fields (``indirect_descriptor_s``, ``register_load_s``, ``dynamic_iteration_s``),
+the same assumed values in both scenarios, with their sources in each scenario's ``sources``.
 
 * **Software DGE per indirect DMA** (``indirect_descriptor_s``): the Trn2 architecture guide
   (aws-neuron-sdk ``nki/guides/architecture/trainium2_arch.rst``, summarised in docs/TRN2_NKI.md) says indirect
@@ -22,23 +24,17 @@ Register loads and loop overhead stall every engine (serial ``control_s``); desc
 from __future__ import annotations
 
 from . import calibration as cal
-from .calibration import Sourced
 from .machine import Stats
 
-INDIRECT_DESCRIPTOR_S = Sourced(cal.CALIBRATED.dge_per_dma_s / 32, "s",
-                                "assumed: 1/32 of the fitted per-DMA software-DGE time per extra indexed row")
-REGISTER_LOAD_S = Sourced(cal.CALIBRATED.dma_fixed_s, "s", "assumed: one fitted DMA fixed cost (dma_fixed_s)")
-DYNAMIC_ITERATION_S = Sourced(2e-6, "s", "assumed: exposed DMA latency (2 x ~600 ns, AWS Trn2 guide) + ~0.8 us sync")
-CONSTANTS = {"indirect_descriptor_s": INDIRECT_DESCRIPTOR_S, "register_load_s": REGISTER_LOAD_S,
-             "dynamic_iteration_s": DYNAMIC_ITERATION_S}
+CONSTANT_NAMES = ("indirect_descriptor_s", "register_load_s", "dynamic_iteration_s")
 
 
-def descriptor_seconds(stats: Stats) -> float:
+def descriptor_seconds(stats: Stats, c: cal.Constants = cal.CALIBRATED) -> float:
     """GpSimd time writing the extra descriptors of vector-offset (gather/scatter) DMAs."""
     extra = sum(n * (desc - 1) for (_kind, desc), n in stats.indirect_dmas.items())
-    return extra * INDIRECT_DESCRIPTOR_S.value
+    return extra * c.indirect_descriptor_s
 
 
-def control_seconds(stats: Stats) -> float:
+def control_seconds(stats: Stats, c: cal.Constants = cal.CALIBRATED) -> float:
     """Serial time: register loads and dynamic-loop iterations (no engine overlaps them)."""
-    return stats.register_loads * REGISTER_LOAD_S.value + stats.dynamic_iterations * DYNAMIC_ITERATION_S.value
+    return stats.register_loads * c.register_load_s + stats.dynamic_iterations * c.dynamic_iteration_s

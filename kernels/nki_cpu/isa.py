@@ -252,10 +252,19 @@ def activation(dst: Tensor, op, data: Tensor, bias=None, scale=1.0, reduce_op=No
     _count("scalar", "activation", data)
 
 
-def _engine(eng, default="vector", allowed=("vector", "scalar", "gpsimd")) -> str:
+def _engine(eng, default="vector", allowed=("vector", "scalar", "gpsimd"), tensors=()) -> str:
+    """The engine an instruction runs on. GpSimdE cannot access PSUM (NKI API reference, ``nisa.tensor_copy`` /
+    ``nisa.tensor_tensor``, aws-neuron/aws-neuron-sdk ``nki/api/nki/isa/__init__.py`` @a3247f5b): refused."""
     eng = default if eng in (None, engine.unknown) else eng
     if eng not in allowed:
         raise NkiValidationError(f"engine {eng!r} cannot run this instruction (allowed: {', '.join(allowed)})")
+    if eng == "gpsimd":
+        for t in tensors:
+            if isinstance(t, Tensor) and t.buffer == "psum":
+                raise NkiValidationError(
+                    f"GpSimdE cannot access PSUM ({t.name!r} is a PSUM tile): run this instruction on the vector or "
+                    "scalar engine, or evacuate PSUM to SBUF first"
+                )
     return eng
 
 
@@ -291,7 +300,7 @@ def tensor_scalar(dst: Tensor, data: Tensor, op0, operand0, reverse0=False, op1=
 
 def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op, engine=engine.unknown, name=None) -> None:  # noqa: A002
     """dst = data1 op data2, elementwise (VectorE or GpSimdE); the inputs may not both be in PSUM."""
-    eng = _engine(engine, allowed=("vector", "gpsimd"))
+    eng = _engine(engine, allowed=("vector", "gpsimd"), tensors=(dst, data1, data2))
     _need(data1, "tensor_tensor data1")
     _need(data2, "tensor_tensor data2")
     _need(dst, "tensor_tensor dst")
@@ -325,7 +334,7 @@ def scalar_tensor_tensor(dst: Tensor, data: Tensor, op0, operand0, op1, operand1
 
 def tensor_copy(dst: Tensor, src: Tensor, engine=engine.unknown, name=None) -> None:  # noqa: A002
     """dst = src with a dtype cast (PSUM -> SBUF evacuation, or SBUF -> SBUF)."""
-    eng = _engine(engine)
+    eng = _engine(engine, tensors=(dst, src))
     _need(src, "tensor_copy src")
     _need(dst, "tensor_copy dst")
     _same_shape(dst, src, "tensor_copy")
@@ -334,7 +343,7 @@ def tensor_copy(dst: Tensor, src: Tensor, engine=engine.unknown, name=None) -> N
 
 
 def memset(dst: Tensor, value, engine=engine.unknown, name=None) -> None:  # noqa: A002
-    eng = _engine(engine)
+    eng = _engine(engine, allowed=("vector", "gpsimd"), tensors=(dst,))
     _need(dst, "memset dst")
     write(dst, np.full(dst.shape, float(value), dtype=np.float32))
     _count(eng, "memset", dst)

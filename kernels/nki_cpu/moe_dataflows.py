@@ -29,9 +29,19 @@ from .machine import Stats
 from .reference_dataflows import bf16_compiled, combine, difference
 
 MODES = ("pow2", "output-block")
+DEQUANT = "dequant-bf16"  # kernels/moe_w8_dequant.py: pow2's weights, dequantised to bf16 on chip (decode rows)
+
+
+def _kernel(mode: str):
+    if mode == DEQUANT:
+        from ..moe_w8_dequant import moe_w8_dequant_bf16
+
+        return moe_w8_dequant_bf16
+    return launch.KERNELS[mode]
 
 
 def _weights(mode: str, experts: int, hidden: int, inter: int) -> host.KernelWeights:
+    mode = "pow2" if mode == DEQUANT else mode
     g13, g2 = (hidden // 128, inter // 128) if mode == "pow2" else (1, 1)
     block = (128, 128) if mode == "pow2" else (128, 0)
     w13 = torch.zeros(experts, 2 * inter, hidden, dtype=torch.uint8)
@@ -41,12 +51,15 @@ def _weights(mode: str, experts: int, hidden: int, inter: int) -> host.KernelWei
     return host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
 
 
-def interpreted(mode: str, experts: int, hidden: int, inter: int, tokens: int, swiglu_limit: float = 0.0) -> Stats:
-    """Stats of one direct interpreter run of ``moe_w8`` (``tokens`` must be a bucket)."""
+def interpreted(mode: str, experts: int, hidden: int, inter: int, tokens: int, swiglu_limit: float = 0.0,
+                vector_blocks: int | None = None) -> Stats:
+    """Stats of one direct interpreter run of ``moe_w8`` (``tokens`` must be a bucket). ``vector_blocks``: the pow2
+    kernel's engine schedule (kernels/schedule.py; None: the one loaded from the calibration file)."""
     kw = _weights(mode, experts, hidden, inter)
     x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
     aff = torch.full((tokens, experts), 1.0 / max(experts, 1))
-    _, stats = run(launch.KERNELS[mode], *launch.kernel_args(x, aff, kw), float(swiglu_limit))
+    extra = {} if mode != "pow2" or vector_blocks is None else {"vector_blocks": int(vector_blocks)}
+    _, stats = run(_kernel(mode), *launch.kernel_args(x, aff, kw), float(swiglu_limit), **extra)
     return stats
 
 
@@ -60,28 +73,33 @@ def _affinity_dma(tokens: int, experts: int) -> Stats:
 
 
 @functools.lru_cache(maxsize=None)
-def _one_and_per_expert(mode: str, hidden: int, inter: int, tokens: int, swiglu_limit: float) -> tuple[Stats, Stats]:
-    one = difference(interpreted(mode, 1, hidden, inter, tokens, swiglu_limit), _affinity_dma(tokens, 1))
-    two = difference(interpreted(mode, 2, hidden, inter, tokens, swiglu_limit), _affinity_dma(tokens, 2))
+def _one_and_per_expert(mode: str, hidden: int, inter: int, tokens: int, swiglu_limit: float,
+                        vector_blocks: int | None) -> tuple[Stats, Stats]:
+    one = difference(interpreted(mode, 1, hidden, inter, tokens, swiglu_limit, vector_blocks), _affinity_dma(tokens, 1))
+    two = difference(interpreted(mode, 2, hidden, inter, tokens, swiglu_limit, vector_blocks), _affinity_dma(tokens, 2))
     return one, difference(two, one)
 
 
-def kernel_stats(mode: str, experts: int, hidden: int, inter: int, tokens: int, swiglu_limit: float = 0.0) -> Stats:
+def kernel_stats(mode: str, experts: int, hidden: int, inter: int, tokens: int, swiglu_limit: float = 0.0,
+                 vector_blocks: int | None = None) -> Stats:
     """Stats of one call with ``experts`` local experts, scaled from runs with 1 and 2."""
-    one, per_expert = _one_and_per_expert(mode, hidden, inter, tokens, float(swiglu_limit))
+    one, per_expert = _one_and_per_expert(mode, hidden, inter, tokens, float(swiglu_limit), vector_blocks)
     return combine([(1, one), (experts - 1, per_expert), (1, _affinity_dma(tokens, experts))])
 
 
-def decode(mode: str, experts: int, hidden: int, inter: int, tokens: int, swiglu_limit: float = 0.0) -> Stats:
-    return kernel_stats(mode, experts, hidden, inter, host.bucket_for(tokens), swiglu_limit)
+def decode(mode: str, experts: int, hidden: int, inter: int, tokens: int, swiglu_limit: float = 0.0,
+           vector_blocks: int | None = None) -> Stats:
+    return kernel_stats(mode, experts, hidden, inter, host.bucket_for(tokens), swiglu_limit, vector_blocks)
 
 
-def dense_prefill(mode: str, experts: int, hidden: int, inter: int, tokens: int, swiglu_limit: float = 0.0) -> tuple[Stats, int]:
+def dense_prefill(mode: str, experts: int, hidden: int, inter: int, tokens: int, swiglu_limit: float = 0.0,
+                  vector_blocks: int | None = None) -> tuple[Stats, int]:
     """(Stats, calls): every 256-token chunk through every local expert."""
     parts: dict[int, int] = {}
     for _start, _stop, bucket in host.chunks(tokens):
         parts[bucket] = parts.get(bucket, 0) + 1
-    return combine([(n, kernel_stats(mode, experts, hidden, inter, b, swiglu_limit)) for b, n in parts.items()]), sum(parts.values())
+    return combine([(n, kernel_stats(mode, experts, hidden, inter, b, swiglu_limit, vector_blocks))
+                    for b, n in parts.items()]), sum(parts.values())
 
 
 def routes_per_expert(tokens: int, top_k: int, total_experts: int) -> int:
@@ -94,10 +112,10 @@ def _grouped_calls(routes: int) -> list[int]:
 
 
 def grouped_prefill(mode: str, experts: int, hidden: int, inter: int, tokens: int, top_k: int, total_experts: int,
-                    swiglu_limit: float = 0.0) -> tuple[Stats, int]:
+                    swiglu_limit: float = 0.0, vector_blocks: int | None = None) -> tuple[Stats, int]:
     """(Stats, calls) of the token-grouped dataflow over the local experts (one call)."""
     groups = _grouped_calls(routes_per_expert(tokens, top_k, total_experts))
-    per_expert = combine([(1, kernel_stats(mode, 1, hidden, inter, rows, swiglu_limit)) for rows in groups])
+    per_expert = combine([(1, kernel_stats(mode, 1, hidden, inter, rows, swiglu_limit, vector_blocks)) for rows in groups])
     return combine([(experts, per_expert)]), 1
 
 

@@ -55,7 +55,7 @@ QWEN3_MOE = MoeTarget(
 
 QWEN3_5_MOE = MoeTarget(
     kind="qwen3_5_moe",
-    architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+    architectures=("Qwen3_5MoeForConditionalGeneration",),  # the text-only layout: NOT_REPLACED below
     factory=("vllm_neuron.model.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
     block=("vllm_neuron.model.qwen3_5.moe", "Qwen3_5SparseMoeBlock"),
     block_attrs=(
@@ -68,8 +68,16 @@ QWEN3_5_MOE = MoeTarget(
 
 TARGETS = (QWEN3_MOE, QWEN3_5_MOE)
 
-# vllm-neuron models of supported checkpoints whose experts neuron-w8 does not replace, and why.
+# Architectures of checkpoints neuron-w8 supports whose experts it does not replace under vllm-neuron: why, and
+# what to use instead (refused at start-up by resolve_target; sources in DEVELOPING.md, "vllm-neuron interfaces").
 NOT_REPLACED = {
+    "Qwen3_5MoeForCausalLM": "vllm-neuron has no model for the text-only Qwen3.5-MoE layout (flat config.json, tensors "
+                             "under model.layers.*): it serves Qwen3.5-MoE only as Qwen3_5MoeForConditionalGeneration, "
+                             "whose config reader (qwen3_5 Qwen3_5Config.from_hf) requires a nested text_config and whose "
+                             "load_weights reads every text tensor under model.language_model.*. Under vllm-neuron serve "
+                             "the multimodal checkpoint (architectures [\"Qwen3_5MoeForConditionalGeneration\"], the "
+                             "layout Qwen/Qwen3.5-*-FP8 ship); this text-only checkpoint is served by neuron-w8 on vLLM's "
+                             "own model classes (the vLLM-generic path)",
     "GlmMoeDsaForCausalLM": "vllm-neuron's GLM-5 model (fork jinhuang12/vllm-neuron, model/glm_moe_dsa) runs its own "
                             "block-FP8 expert kernel; serve it without --quantization neuron-w8",
     "Glm5NextForConditionalGeneration": "vllm-neuron's GLM-5.3-Flash model (fork jinhuang12/vllm-neuron, model/glm5_next) "

@@ -7,7 +7,9 @@
    and dense pow2 on FP8 subnormal codes) through ``kernel_launch.run_routed_experts`` - wrap_nki on a
    Neuron host, the interpreter elsewhere - against the fp32 reference, with the error, the gate
    (``kernel_check``), the cost model's per-call time and the measured wall time.
-3. On a Neuron host: serves the demo's tiny model with ``--quantization neuron-w8`` (``vllm_moe_w8.tools.demo``).
+3. Microbenchmarks (``neuron_glue.microbench``): the device facts the pow2 kernel's engine schedule depends on,
+   measured vs both cost scenarios; on a Neuron host they write the calibration file the kernel reads at load.
+4. On a Neuron host: serves the demo's tiny model with ``--quantization neuron-w8`` (``vllm_moe_w8.tools.demo``).
 
 Exit codes: 0 all checks ran and passed (Neuron host); 1 a check failed or the Neuron path cannot start;
 2 no Neuron host: what CPU can check passed, the rest is listed as missing.
@@ -200,6 +202,9 @@ def run(lnc: int | None = None, experts: int | None = None, json_path: str | Non
             print(f"  (modelled times unavailable: {exc})")
     print(format_results(results, on_neuron))
     record = {"inventory": inv, "kernels": [r.__dict__ for r in results]}
+    from vllm_moe_w8.neuron_glue import microbench  # measured vs both cost scenarios; writes the calibration file
+
+    record["microbenchmarks"] = microbench.check(on_neuron and device != "cpu", lnc, device=device)
     failed = [r.name for r in results if not r.passed]
     code = EXIT_FAILED if failed else EXIT_OK
     if failed:

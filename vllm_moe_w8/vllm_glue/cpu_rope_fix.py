@@ -20,6 +20,15 @@ its version. ``VLLM_MOE_W8_CPU_ROPE_FIX=0`` disables the correction (to reproduc
 
 Installed by :func:`install` from the plugin's registration, so it is active in every vLLM process,
 including runs of unquantised models in the same environment.
+
+Same finding under both of vLLM's CPU MLA backends (``CPU_MLA``, the reference one; ``AMX_MLA``, the default on Intel
+AMX hosts, bf16 only): the rotation is not part of the backend. ``MultiHeadLatentAttentionWrapper.forward``
+(``vllm/model_executor/layers/mla.py``) calls ``rotary_emb(positions, q[..., nope:], k_pe)`` on the 3-D views before
+it calls the attention layer, and ``AMXMLAImpl`` (``vllm/v1/attention/backends/mla/amx_mla.py``) only splits the
+already rotated ``q`` into ``q_nope``/``q_pe`` and stores ``k_pe.squeeze(1)`` (``forward_mha``,
+``do_kv_cache_update``); neither backend rotates again. So MLA on AMX_MLA hits the same op with the same layouts, the
+probe (an fp32 call of the op itself, independent of the attention backend and of AMX) answers the same, and the
+same calls are corrected. The op's bug is in its layout arithmetic, not in a data type or instruction set.
 """
 
 from __future__ import annotations

