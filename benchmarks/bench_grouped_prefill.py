@@ -115,10 +115,10 @@ def measure(kw: host.KernelWeights, tokens: int, lnc: int) -> list[dict]:
     calls = len(host.chunks(tokens))
     rows.append({"kernel": "dense", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": calls, "counted_calls": 1,
                  **_priced_all(dense_stats, repeat=calls), "interp_s": wall})
-    # grouped: the whole prefill through run_routed_experts (its own pow2 step: one run, both scenarios)
+    # grouped: the whole prefill through run_grouped_experts (its own pow2 step: one run, both scenarios)
     grouped_stats: list = []
     t0 = time.perf_counter()
-    kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=lnc, stats=grouped_stats)
+    kernel_launch.run_grouped_experts(x, tw, ti, kw, lnc=lnc, stats=grouped_stats)
     wall = time.perf_counter() - t0
     rows.append({"kernel": "grouped", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": 1, "counted_calls": 1,
                  **_priced_all({n: grouped_stats for n in calibration.SCENARIOS}), "interp_s": wall,

@@ -164,12 +164,14 @@ def to_kernel_layout(w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tens
 
 
 def dense_affinities(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[T, k] routing -> [T, E] fp32: weight of each local expert per token; ids < 0 dropped, duplicates summed."""
+    """[T, k] routing -> [T, E] fp32 on the ids' device: weight of each local expert per token; ids < 0 dropped,
+    duplicates summed. Trace-safe (torch ops only, no value read in Python); ids >= E are an error when run
+    eagerly and are dropped under torch.compile (the glue's local ids are in [-1, E) by construction)."""
     ids = topk_ids.long()
-    keep = ids >= 0
-    if bool((ids >= num_experts).any()):
+    if not torch.compiler.is_compiling() and ids.device.type != "meta" and bool((ids >= num_experts).any()):
         raise ValueError(f"topk_ids holds expert id {int(ids.max())} >= the {num_experts} local experts")
-    aff = torch.zeros(ids.shape[0], num_experts, dtype=torch.float32)
+    keep = (ids >= 0) & (ids < num_experts)
+    aff = torch.zeros(ids.shape[0], num_experts, dtype=torch.float32, device=ids.device)
     aff.scatter_add_(1, torch.where(keep, ids, 0), torch.where(keep, topk_weights.float(), 0.0))
     return aff
 

@@ -2,7 +2,9 @@
 
 The stand-in (tests/neuron_standin/, see its README) reproduces only the vllm-neuron signatures the glue
 uses; it is not vllm-neuron. Ranks of a TP/EP group run as threads of this process (its groups exchange
-tensors through a barrier), each building and loading the model as vllm-neuron's runner does.
+tensors through a barrier, in traceable custom ops), each building, loading and compiling the model as
+vllm-neuron's runner does (``vllm_neuron.vllm.worker.neuron_model_runner.load_model``). The NKI interpreter runs
+one kernel at a time (``neuron_glue.interpreter_hop``).
 """
 
 from __future__ import annotations
@@ -18,21 +20,6 @@ import torch
 from vllm_moe_w8 import tiny_models
 
 STANDIN = Path(__file__).parent / "neuron_standin"
-
-
-def serialise_kernel_runs(monkeypatch) -> None:
-    """One interpreted kernel at a time: the NKI interpreter keeps process-wide state (it is not thread-safe),
-    and here the ranks are threads of one process (on a Neuron host each rank is its own process)."""
-    from vllm_moe_w8.neuron_glue import experts
-
-    lock = threading.Lock()
-    runner = experts.run_kernels
-
-    def locked(*args, **kwargs):
-        with lock:
-            return runner(*args, **kwargs)
-
-    monkeypatch.setattr(experts._W8Routed, "w8_runner", staticmethod(locked))
 
 
 def put_standin_on_path() -> None:
@@ -163,3 +150,92 @@ def reference_routed(x: torch.Tensor, t: dict, prefix: str, num_experts: int, to
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+# ---- checkpoints as the real loader may meet them; the independent dequantisation of non-expert weights -----
+
+
+def scales_in_later_shard(src: Path, dst: Path) -> Path:
+    """A copy of checkpoint ``src`` whose every FP8 scale sits in a shard after the one holding its weight
+    (shard 1: everything but the scales; shard 2: the scales), with its index; other files copied."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    tensors = checkpoint_tensors(src)
+    scales = {k: v.contiguous() for k, v in tensors.items() if k.endswith(("_scale_inv", "_scale"))}
+    rest = {k: v.contiguous() for k, v in tensors.items() if k not in scales}
+    files = {"model-00001-of-00002.safetensors": rest, "model-00002-of-00002.safetensors": scales}
+    weight_map = {}
+    for name, part in files.items():
+        save_file(part, str(dst / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def ml_dtypes_dequant(codes: torch.Tensor, scale: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    """E4M3FN bytes decoded by ml_dtypes times their 128x128 block scale, one fp32 product each (numpy)."""
+    import ml_dtypes
+    import numpy as np
+
+    values = codes.contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    s = scale.float().numpy()
+    s_el = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: values.shape[0], : values.shape[1]]
+    return torch.from_numpy(values * s_el.astype(np.float32))
+
+
+def non_expert_mismatches(model, tensors: dict, pairs) -> list[str]:
+    """The gate on non-expert FP8 weights: for each (parameter name, checkpoint weight name, transposed), the
+    parameter must equal the independent dequantisation rounded once to the parameter's dtype. Returns the
+    parameters that do not (empty: all exact)."""
+    params = dict(model.named_parameters())
+    bad = []
+    for pname, wname, transposed in pairs:
+        want = ml_dtypes_dequant(tensors[wname], tensors[wname + "_scale_inv"])
+        want = (want.T if transposed else want).to(params[pname].dtype)
+        got = params[pname].detach().cpu()
+        if got.shape != want.shape or not torch.equal(got, want[: got.shape[0], : got.shape[1]]):
+            bad.append(pname)
+    return bad
+
+
+# ---- the two families through the runner, and their float64 references ----------------------------------
+
+FAMILIES = {  # one layer each: the compile tests trace whole models (per-layer loading is tested with two layers)
+    "qwen3_moe": dict(arch="Qwen3MoeForCausalLM", factory=("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
+                      prefix="model.layers", zero_centred=False,
+                      sizes=dict(hidden_size=256, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                                 num_hidden_layers=1)),
+    "qwen3_5_moe": dict(arch="Qwen3_5MoeForConditionalGeneration",
+                        factory=("vllm_neuron.model.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
+                        prefix="model.language_model.layers", zero_centred=True,
+                        sizes=dict(hidden_size=256, moe_intermediate_size=256, shared_intermediate_size=256,
+                                   num_experts=8, num_experts_per_tok=2, num_hidden_layers=1)),
+}
+
+
+def write_family_checkpoint(family: str, path: Path) -> Path:
+    from vllm_moe_w8 import tiny_models
+
+    f = FAMILIES[family]
+    return tiny_models.write_checkpoint(path, f["arch"], **f["sizes"])
+
+
+def reference_layer(family: str, t: dict, layer: int, hidden: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 reference of one layer's MoE block output (Qwen3.5: routed + gated shared expert)."""
+    f = FAMILIES[family]
+    prefix = f"{f['prefix']}.{layer}"
+    x = rms_norm(hidden, t[f"{prefix}.post_attention_layernorm.weight"], 1e-6, zero_centred=f["zero_centred"])
+    sizes = f["sizes"]
+    out = reference_routed(x, t, prefix, sizes["num_experts"], sizes["num_experts_per_tok"], real=real)
+    if family == "qwen3_5_moe":
+        xd = x.double()
+        g, u, d = (dequant(t, f"{prefix}.mlp.shared_expert.{p}_proj.weight").double() for p in ("gate", "up", "down"))
+        gate = torch.sigmoid(xd @ t[f"{prefix}.mlp.shared_expert_gate.weight"].double().T)
+        out = out + (torch.nn.functional.silu(xd @ g.T) * (xd @ u.T)) @ d.T * gate
+    return out

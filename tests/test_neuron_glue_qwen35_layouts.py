@@ -36,7 +36,6 @@ def standin(monkeypatch):
 
     holder = {}
     monkeypatch.setattr(registration, "current_vllm_config", lambda: holder["config"])
-    st.serialise_kernel_runs(monkeypatch)
     yield holder
     st.drop_standin()
 

@@ -40,7 +40,6 @@ def standin(monkeypatch):
 
     holder = {}
     monkeypatch.setattr(registration, "current_vllm_config", lambda: holder["config"])
-    st.serialise_kernel_runs(monkeypatch)
     yield holder
     st.drop_standin()
 
@@ -229,21 +228,46 @@ def test_tp_split_the_kernel_cannot_take_names_the_remedy(standin, qwen3):
         st.run_ranks(4, build)
 
 
-def test_the_experts_kernel_call_on_a_neuron_host_without_a_launcher_is_an_error(monkeypatch):
-    """Stand-in Neuron host (a device node, no AWS nki): the experts module's kernel call goes through
-    kernel_launch, which stops with NeuronLaunchError instead of falling back to the interpreter."""
-    from vllm_moe_w8.kernels import host
-    from vllm_moe_w8.neuron_glue import experts, kernel_launch
+def test_adopting_experts_on_a_neuron_host_without_a_launcher_is_an_error(standin, qwen3, monkeypatch):
+    """Stand-in Neuron host (a device node, no AWS nki): the kernels' backend is resolved when the blocks are adopted
+    (never inside the compiled forward), so building the model stops with NeuronLaunchError instead of falling back to
+    the interpreter."""
+    from vllm_moe_w8.neuron_glue import experts, kernel_launch, registration
 
     assert experts._W8Routed.w8_runner is experts.run_kernels
-    kw = host.KernelWeights(torch.zeros(1, 128, 1, 256, dtype=torch.uint8), torch.ones(1, 2, 1),
-                            torch.zeros(1, 128, 1, 128, dtype=torch.uint8), torch.ones(1, 1, 1), "pow2")
+    registration.install(platform())
+    from vllm_neuron.model.qwen3_moe import Qwen3MoeForCausalLM
+
+    standin["config"] = st.vllm_config(qwen3)
     kernel_launch.backend.cache_clear()
     monkeypatch.setattr(kernel_launch, "neuron_device_present", lambda: (True, "1 Neuron device(s) (stand-in)"))
     monkeypatch.setattr(kernel_launch, "real_nki", lambda: (None, "stand-in: no AWS nki"))
     try:
         with pytest.raises(kernel_launch.NeuronLaunchError, match="AWS nki is unusable"):
-            experts.run_kernels(torch.zeros(1, 128), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), kw, lnc=2,
-                                swiglu_limit=0.0)
+            with torch.device("meta"):
+                Qwen3MoeForCausalLM.from_configs(standin["config"].model_config.hf_config, None)
     finally:
         kernel_launch.backend.cache_clear()
+
+
+@pytest.mark.parametrize("arch_ckpt, names", [
+    ("qwen3", r"none of the trees read registers it"),
+    ("q35", r"whn09/vllm-neuron model/registry.py @3de9ea3"),
+])
+def test_architecture_missing_from_the_registry_is_refused_naming_the_trees(standin, qwen3, q35, monkeypatch, arch_ckpt, names):
+    """A stock vllm-neuron whose get_models() does not list the architecture: refused at start-up (vLLM would resolve
+    its own class, which vllm-neuron's runner cannot build), naming the trees that register it."""
+    from vllm_moe_w8.neuron_glue import interfaces, registration
+
+    cls = platform()
+    registration.install(cls)
+    from vllm_neuron.model import registry
+
+    path = qwen3 if arch_ckpt == "qwen3" else q35
+    config = st.vllm_config(path)
+    cls.check_and_update_config(config)  # the stand-in's registry lists both
+    arch = config.model_config.hf_config.architectures[0]
+    listed = registry.get_models
+    monkeypatch.setattr(registry, "get_models", lambda: [(a, c) for a, c in listed() if a != arch])
+    with pytest.raises(interfaces.NeuronGlueError, match=rf"{arch}: vllm-neuron 0\.24\.0\.standin's registry .* does not list it.*{names}"):
+        cls.check_and_update_config(config)

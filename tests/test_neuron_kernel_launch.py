@@ -50,7 +50,27 @@ def test_dense_path_matches_the_reference(small_layer, tokens, lnc):
 
 def test_kernel_choice_follows_the_token_count():
     assert kernel_launch.kernel_for(kernel_launch.DENSE_MAX_TOKENS, "pow2")[0] == "dense"
-    assert kernel_launch.kernel_for(kernel_launch.DENSE_MAX_TOKENS + 1, "output-block")[0] == "grouped"
+    assert kernel_launch.kernel_for(kernel_launch.DENSE_MAX_TOKENS + 1, "output-block")[0] == "dense-chunked"
+
+
+def test_prefill_runs_the_dense_kernel_over_128_token_chunks(small_layer, monkeypatch):
+    """300 tokens: launches on 128, 128 and the 44 left padded to their bucket (64), each [lnc, bucket, H]."""
+    layer, kw = small_layer
+    shapes = []
+    real = kernel_launch.launch
+
+    def recording(kernel, lnc, tensors, constants, stats=None, where=None):
+        out = real(kernel, lnc, tensors, constants, stats, where)
+        shapes.append((kernel.__name__, tuple(tensors[0].shape), tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(kernel_launch, "launch", recording)
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    tw, ti = kernel_check.routing(300, 4, 2, seed=3)
+    out = kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2)
+    assert shapes == [("moe_w8_pow2", (b, 256), (2, b, 256)) for b in (128, 128, 64)]
+    ref = kernel_check.reference_moe(x, tw, ti, *layer[:4], *layer[4], "e4m3")
+    assert kernel_check.within_bound(out, ref, kernel_check.error_bound(x, tw, ti, *layer))[0]
 
 
 def test_bad_calls_name_what_is_wrong(small_layer):
@@ -64,13 +84,15 @@ def test_bad_calls_name_what_is_wrong(small_layer):
         kernel_launch.run_routed_experts(torch.zeros(3, 128), tw, ti, kw, lnc=1)
 
 
-def test_the_torch_op_schema_is_inferred_on_every_host():
-    """The op is registered at import with a schema torch infers from the annotations, here on CPU; the
-    same inference refuses a wrapper with an un-annotated parameter (the failure that once hid until a
-    Neuron host and turned into a silent CPU fallback)."""
-    schema = torch.library.infer_schema(kernel_launch.nki_routed_experts._init_fn, mutates_args=())
-    assert str(torch.ops.moe_w8.nki_routed_experts.default._schema).endswith(schema)
-    assert "str mode, SymInt lnc, float swiglu_limit) -> Tensor" in schema
+def test_the_interpreter_launch_op_schema_is_inferred_on_every_host():
+    """The interpreter's wrap_nki launches through one custom op whose schema torch infers from the annotations,
+    here on CPU; the same inference refuses a wrapper with an un-annotated parameter (the failure that once hid
+    until a Neuron host and turned into a silent CPU fallback)."""
+    from vllm_moe_w8.neuron_glue import interpreter_hop
+
+    schema = torch.library.infer_schema(interpreter_hop.nki_interpreted._init_fn, mutates_args=())
+    assert str(torch.ops.moe_w8.nki_interpreted.default._schema).endswith(schema)
+    assert "(str kernel, SymInt grid, Tensor[] tensors, str constants) -> Tensor" in schema
 
     def unannotated(hidden: torch.Tensor, swiglu_limit: float, _kernel=None) -> torch.Tensor:
         return hidden
@@ -79,12 +101,27 @@ def test_the_torch_op_schema_is_inferred_on_every_host():
         torch.library.infer_schema(unannotated, mutates_args=())
 
 
-def test_the_torch_op_runs_the_same_launch_path(small_layer):
+@pytest.mark.parametrize("tokens", [9, 140])
+def test_compiled_launch_path_is_one_graph_with_opaque_launches_and_matches_eager(small_layer, tokens):
+    """run_routed_experts under torch.compile(fullgraph=True, dynamic=False): one graph, each launch one
+    moe_w8::nki_interpreted node whose fake gives [lnc, bucket, H]; the result equals the eager call exactly."""
     _, kw = small_layer
-    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    tw, ti = kernel_check.routing(9, 4, 2, seed=1)
-    via_op = torch.ops.moe_w8.nki_routed_experts(x, tw, ti, kw.w13, kw.w13_scales, kw.w2, kw.w2_scales, kw.mode, 2, 0.0)
-    assert torch.equal(via_op, kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2))
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    where = kernel_launch.backend()
+    fn = torch.compile(lambda x, tw, ti: kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2, where=where),
+                       backend=recorder, fullgraph=True, dynamic=False)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+    tw, ti = kernel_check.routing(tokens, 4, 2, seed=tokens)
+    got = fn(x, tw, ti)
+    op = torch.ops.moe_w8.nki_interpreted
+    launches = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
+    assert len(graphs) == 1 and len(launches) == -(-tokens // 128)
+    assert torch.equal(got, kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2))
 
 
 def test_nki_version_floor():
@@ -113,16 +150,15 @@ def _fake_host(monkeypatch, nki_version="0.5.0", wrap=True, nki=True):
     monkeypatch.setattr(kernel_launch, "real_nki", lambda: (fake_nki, "stand-in" if nki else "not importable (stand-in)"))
     calls = []
 
-    def wrap_nki(kernel):  # stand-in launcher: records the grid, runs the interpreter
-        from vllm_moe_w8.kernels import nki_cpu
+    def wrap_nki(kernel):  # stand-in launcher: records the grid, runs the interpreter's (traceable) launcher
+        from vllm_moe_w8.neuron_glue import interpreter_hop
+
+        inner = interpreter_hop.wrap_nki(kernel, kernel_launch.KERNELS[kernel.__name__][1])
 
         class Caller:
             def __getitem__(self, grid):
-                def call(*tensors, **constants):
-                    calls.append((kernel.__name__, grid))
-                    arrays = [kernel_launch._numpy(t) for t in tensors]
-                    return torch.from_numpy(nki_cpu.launch(kernel, (grid,), *arrays, lnc=grid, **constants)[0])
-                return call
+                calls.append((kernel.__name__, grid))
+                return inner[grid]
         return Caller()
 
     if wrap:
@@ -142,7 +178,7 @@ def test_stand_in_neuron_host_launches_through_wrap_nki_with_the_lnc(fresh_backe
     x = torch.randn(140, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     tw, ti = kernel_check.routing(140, 4, 2, seed=2)
     out = kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2)
-    assert calls == [("moe_w8_grouped_pow2", 2)]
+    assert calls == [("moe_w8_pow2", 2)] * 2  # 140 tokens: two 128-token chunks of the dense kernel
     ref = kernel_check.reference_moe(x, tw, ti, *layer[:4], *layer[4], "e4m3")
     assert kernel_check.within_bound(out, ref, kernel_check.error_bound(x, tw, ti, *layer))[0]
 

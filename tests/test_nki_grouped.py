@@ -1,4 +1,4 @@
-"""The token-grouped (prefill) kernels through the real launch path (``kernel_launch.run_routed_experts``,
+"""The token-grouped (prefill) kernels through their launch path (``kernel_launch.run_grouped_experts``,
 executed by the interpreter here) against the fp32 reference on the same repacked experts: pow2 and
 output-block, ragged token counts, an expert with no token, LNC 1 and 2; the host-side grouping on its own;
 and work that grows with the routed rows, not with T x E_local."""
@@ -35,7 +35,7 @@ def qwen_layers(qwen_ckpt):
     pytest.param("output-block", 150, 1, marks=pytest.mark.slow),
 ])
 def test_grouped_kernel_matches_the_reference(qwen_ckpt, qwen_layers, mode, tokens, lnc):
-    r = kernel_check.run_case("grouped", qwen_ckpt, mode, tokens, top_k=4, lnc=lnc, seed=tokens, empty_expert=3,
+    r = kernel_check.run_case("grouped", qwen_ckpt, mode, tokens, top_k=4, lnc=lnc, seed=tokens, empty_expert=3, kernel="grouped",
                               layer=qwen_layers[mode])
     assert r.kernel == "grouped" and r.tokens == tokens
     assert r.passed, f"max err {r.max_abs_err:.3g} = {r.err_over_bound:.3f} x bound"
@@ -44,7 +44,8 @@ def test_grouped_kernel_matches_the_reference(qwen_ckpt, qwen_layers, mode, toke
 @pytest.mark.slow
 def test_grouped_kernel_glm_width_with_swiglu_clamp():
     ckpt = kernel_check.checkpoint_experts(2, GLM["H"], GLM["I"], seed=2)
-    r = kernel_check.run_case("glm", ckpt, "pow2", 130, top_k=2, lnc=2, seed=3, swiglu_limit=GLM_TEST_SWIGLU_LIMIT)
+    r = kernel_check.run_case("glm", ckpt, "pow2", 130, top_k=2, lnc=2, seed=3, swiglu_limit=GLM_TEST_SWIGLU_LIMIT,
+                              kernel="grouped")
     assert r.kernel == "grouped" and r.passed, f"{r.err_over_bound:.3f} x bound"
 
 
@@ -57,7 +58,7 @@ def test_the_gate_catches_one_doubled_scale_tile(qwen_ckpt, qwen_layers):
     kw = host.to_kernel_layout(w13, s13, w2, bad, *block, "e4m3")
     x = torch.randn(160, QWEN["H"], generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     tw, ti = kernel_check.routing(160, 6, 4, seed=9)
-    out = kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=1)
+    out = kernel_launch.run_grouped_experts(x, tw, ti, kw, lnc=1)
     ref = kernel_check.reference_moe(x, tw, ti, w13, s13, w2, s2, *block, "e4m3")
     ok, _, ratio = kernel_check.within_bound(out, ref, kernel_check.error_bound(x, tw, ti, w13, s13, w2, s2, block))
     assert not ok and ratio > 1
@@ -82,7 +83,7 @@ def test_no_routed_token_gives_exact_zeros_without_a_launch(qwen_layers):
     w13, s13, w2, s2, block = qwen_layers["pow2"]
     kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
     stats = []
-    out = kernel_launch.run_routed_experts(torch.ones(200, QWEN["H"]), torch.ones(200, 2), torch.full((200, 2), -1), kw,
+    out = kernel_launch.run_grouped_experts(torch.ones(200, QWEN["H"]), torch.ones(200, 2), torch.full((200, 2), -1), kw,
                                            lnc=2, stats=stats)
     assert torch.equal(out, torch.zeros(200, QWEN["H"])) and stats == []
 
@@ -98,7 +99,7 @@ def test_grouped_work_grows_with_routed_rows_not_with_experts():
     ids = torch.stack([torch.arange(256) % 2, torch.full((256,), -1)], dim=1)  # experts 0 and 1 only
     tw = torch.ones(256, 2)
     grouped = []
-    kernel_launch.run_routed_experts(x, tw, ids, kw, lnc=1, stats=grouped)
+    kernel_launch.run_grouped_experts(x, tw, ids, kw, lnc=1, stats=grouped)
     dense = []
     simulate_moe(x, tw, ids, kw, dense)  # one 256-token call of the dense kernel
     weight_bytes_per_expert = kw.w13[0].numel() + kw.w2[0].numel()
@@ -120,10 +121,10 @@ def test_an_expert_larger_than_one_pass_is_processed_in_passes(monkeypatch):
     ref = kernel_check.reference_moe(x, tw, ids, w13, s13, w2, s2, *block, "e4m3")
     bound = kernel_check.error_bound(x, tw, ids, w13, s13, w2, s2, block)
     one_pass, passes = [], []
-    out_one = kernel_launch.run_routed_experts(x, tw, ids, kw, lnc=1, stats=one_pass)
+    out_one = kernel_launch.run_grouped_experts(x, tw, ids, kw, lnc=1, stats=one_pass)
     monkeypatch.setattr(moe_w8_grouped, "HT_BUDGET_BYTES", 2 * 2 * 128 * 2)  # two 128-row tiles of hidden^T
     assert moe_w8_grouped.max_tiles(256) == 2
-    out_passes = kernel_launch.run_routed_experts(x, tw, ids, kw, lnc=1, stats=passes)
+    out_passes = kernel_launch.run_grouped_experts(x, tw, ids, kw, lnc=1, stats=passes)
     assert kernel_check.within_bound(out_one, ref, bound)[0] and kernel_check.within_bound(out_passes, ref, bound)[0]
     weights = kw.w13.numel() + kw.w2.numel()
     if BACKEND == "interpreter":

@@ -16,11 +16,17 @@ Forward, per phase, with the same norm, routing and collectives as the module it
   shared expert (``_shared_expert``) -> its ``_combine`` (all-reduce, or reduce-scatter in SP prefill).
 Global expert ids become local ids of this EP rank (linear placement); other ranks' experts are -1.
 
-The kernel call is ``_W8Routed.w8_runner`` (signature ``(x, topk_weights, topk_ids, kw, *, lnc, swiglu_limit)``),
-by default :func:`run_kernels`: :func:`vllm_moe_w8.neuron_glue.kernel_launch.run_routed_experts`, the one launch
-path of the NKI kernels (dense for decode, token-grouped for prefill, grid ``[lnc]``). On a Neuron device it
-launches them with vllm-neuron's ``wrap_nki`` (anything missing is an error, never a CPU fallback); elsewhere the
-same calls run in the project's NKI interpreter and the log says so.
+The kernel call is ``_W8Routed.w8_runner`` (signature ``(x, topk_weights, topk_ids, kw, *, lnc, swiglu_limit,
+where)``), by default :func:`run_kernels`: :func:`vllm_moe_w8.neuron_glue.kernel_launch.run_routed_experts`, the one
+launch path of the NKI kernels (``wrap_nki(kernel)[lnc]``; decode one bucket, prefill 128-token chunks). On a
+Neuron device it launches them with vllm-neuron's ``wrap_nki`` (anything missing is an error, never a CPU
+fallback); elsewhere the same calls run in the project's NKI interpreter and the log says so.
+
+Trace-safe: vllm-neuron's runner compiles the whole model with ``torch.compile(fullgraph=True)``. Everything the
+forward needs from the host (the kernels' backend and callers, the LNC, Qwen3.5's ``SEQUENCE_PARALLEL`` flag) is
+resolved once in :func:`adopt`; the forward is torch ops on the input's device (local ids, padding mask,
+affinities) and kernel launches whose constants do not depend on the routing, with no Python branch on a
+tensor's value.
 """
 
 from __future__ import annotations
@@ -38,9 +44,9 @@ LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def run_kernels(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: KernelWeights, *, lnc: int,
-                swiglu_limit: float) -> torch.Tensor:
+                swiglu_limit: float, where: kernel_launch.Backend) -> torch.Tensor:
     """Routed sum [T, H] fp32 of this rank's experts, through the kernels' launch path (see the module docstring)."""
-    return kernel_launch.run_routed_experts(x, topk_weights, topk_ids, kw, lnc=lnc, swiglu_limit=swiglu_limit)
+    return kernel_launch.run_routed_experts(x, topk_weights, topk_ids, kw, lnc=lnc, swiglu_limit=swiglu_limit, where=where)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,9 +77,10 @@ class _W8Routed:
 
     w8_runner = staticmethod(run_kernels)
 
-    def w8_setup(self, plan, settings, layer: int) -> None:
+    def w8_setup(self, plan, settings, layer: int, launch_backend: kernel_launch.Backend, sequence_parallel: bool) -> None:
         self.w8_plan, self.w8_settings, self.w8_layer = plan, settings, layer
         self.w8_mode = settings.mode
+        self.w8_backend, self.w8_sequence_parallel = launch_backend, sequence_parallel
         for name in BUFFERS:
             self.register_buffer(name, None, persistent=False)
 
@@ -93,7 +100,7 @@ class _W8Routed:
             lids = torch.where(real[:, None], lids, torch.full_like(lids, -1))
         with torch.no_grad():  # inference only (vllm-neuron's forward runs under no_grad too)
             out = self.w8_runner(x.detach(), weights.detach(), lids, self.w8_kernel_weights(), lnc=self.w8_settings.lnc,
-                                 swiglu_limit=self.w8_settings.swiglu_limit)
+                                 swiglu_limit=self.w8_settings.swiglu_limit, where=self.w8_backend)
         return out.to(x.dtype)
 
 
@@ -118,7 +125,7 @@ class W8Qwen3_5SparseMoeBlock(_W8Routed):
     def forward(self, hidden_states, is_prefill, norm, positions=None, rank=None):
         hidden_states = hidden_states.to(self.dtype)
         normed = norm(hidden_states)
-        if is_prefill and self.world_size > 1 and _qwen3_5_sequence_parallel():
+        if is_prefill and self.world_size > 1 and self.w8_sequence_parallel:
             normed = self.tp_group.all_gather(normed, dim=0)
         weights, ids = route(normed, self.router_weight, self.top_k, True)
         real = padding_mask(positions, normed.shape[0]) if is_prefill else None
@@ -168,8 +175,9 @@ def adopt(block, target: MoeTarget, module_name: str, plan, settings, architectu
         )
     for name in target.bf16_params:
         delattr(block, name)
+    sequence_parallel = _qwen3_5_sequence_parallel() if target.kind == "qwen3_5_moe" else False
     block.__class__ = _w8_class(type(block), MIXINS[target.kind])
-    block.w8_setup(plan, settings, layer_index(module_name))
+    block.w8_setup(plan, settings, layer_index(module_name), kernel_launch.backend(), sequence_parallel)
 
 
 def adopted_blocks(model) -> list:

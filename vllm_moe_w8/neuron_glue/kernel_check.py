@@ -3,8 +3,8 @@
 
 A layer is random checkpoint-like FP8 experts (each 128x128 block quantised with amax / 448 in E4M3FN,
 as real checkpoints are), repacked by ``fp8.repack`` for the kernel mode, laid out once by
-``host.to_kernel_layout``, and called through ``kernel_launch.run_routed_experts`` (wrap_nki on Neuron,
-the interpreter elsewhere). The reference is ``op.reference.reference_moe`` on the same repacked bytes.
+``host.to_kernel_layout``, and called through ``kernel_launch.run_routed_experts`` compiled as vllm-neuron's
+runner compiles the model (``torch.compile(fullgraph=True)``; wrap_nki on Neuron, the interpreter elsewhere). The reference is ``op.reference.reference_moe`` on the same repacked bytes.
 
 The gate: the kernels' only rounding beyond fp32 accumulation is the activation
 SiLU(gate) * up * routing weight rounded to bf16 (unit roundoff 2**-9) before the down projection, so
@@ -119,24 +119,47 @@ def modelled_seconds(launch_stats: list) -> float:
     return sum(max(cost.estimate(s).time_s for s in programs) for programs in launch_stats)
 
 
-def run_case(name: str, ckpt, mode: str, tokens: int, top_k: int, lnc: int, seed: int = 0, repeats: int = 1,
-             swiglu_limit: float = 0.0, empty_expert: int | None = None, layer=None, device: str = "cpu") -> CaseResult:
-    """One layer call through ``kernel_launch.run_routed_experts`` (tensors on ``device``) vs the reference."""
+def compiled_routed(kw: host.KernelWeights, lnc: int, swiglu_limit: float, compile_backend="eager"):
+    """``kernel_launch.run_routed_experts`` for these weights as vllm-neuron runs it: inside
+    ``torch.compile(fullgraph=True, dynamic=False)`` with the backend and its callers resolved beforehand."""
     from vllm_moe_w8.neuron_glue import kernel_launch
+
+    where = kernel_launch.backend()
+    # as vllm-neuron's runner does before compiling (every case is its own graph; recompiles are not an error here)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2**62)
+
+    def routed(x, topk_weights, topk_ids):
+        return kernel_launch.run_routed_experts(x, topk_weights, topk_ids, kw, lnc=lnc, swiglu_limit=swiglu_limit, where=where)
+
+    return torch.compile(routed, backend=compile_backend, fullgraph=True, dynamic=False)
+
+
+def run_case(name: str, ckpt, mode: str, tokens: int, top_k: int, lnc: int, seed: int = 0, repeats: int = 1,
+             swiglu_limit: float = 0.0, empty_expert: int | None = None, layer=None, device: str = "cpu",
+             kernel: str = "dense", compile_backend="eager") -> CaseResult:
+    """One layer call (tensors on ``device``) vs the reference: ``kernel="dense"`` through the compiled served path
+    (:func:`compiled_routed`), ``"grouped"`` through ``kernel_launch.run_grouped_experts`` (eager)."""
+    from vllm_moe_w8.neuron_glue import interpreter_hop, kernel_launch
 
     w13, s13, w2, s2, block = layer if layer is not None else repacked(ckpt, mode)
     kw = host.to_kernel_layout(w13, s13, w2, s2, block[0], block[1], "e4m3")
     kw_dev = host.KernelWeights(*(t.to(device) for t in (kw.w13, kw.w13_scales, kw.w2, kw.w2_scales)), kw.mode)
     x = torch.randn(tokens, w2.shape[1], generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     topk_weights, topk_ids = routing(tokens, w13.shape[0], top_k, seed, empty_expert)
+    if kernel == "grouped":
+        def call(*args):
+            return kernel_launch.run_grouped_experts(*args, kw_dev, lnc=lnc, swiglu_limit=swiglu_limit)
+        label = "grouped"
+    else:
+        call = compiled_routed(kw_dev, lnc, swiglu_limit, compile_backend)
+        label = kernel_launch.kernel_for(tokens, mode)[0]
     times, first_stats = [], []
     for i in range(max(1, repeats)):
         t0 = time.perf_counter()
-        out = kernel_launch.run_routed_experts(x.to(device), topk_weights.to(device), topk_ids.to(device), kw_dev, lnc=lnc, swiglu_limit=swiglu_limit,
-                                               stats=first_stats if i == 0 else None)
+        with interpreter_hop.collect_stats(first_stats if i == 0 else []):
+            out = call(x.to(device), topk_weights.to(device), topk_ids.to(device))
         times.append(time.perf_counter() - t0)
     ref = reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3", swiglu_limit=swiglu_limit)
     ok, err, ratio = within_bound(out.cpu(), ref, error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block, swiglu_limit))
     modelled = modelled_seconds(first_stats) if first_stats else None
-    return CaseResult(name, kernel_launch.kernel_for(tokens, mode)[0], mode, tokens, lnc, ok, err, ratio, modelled,
-                      statistics.median(times))
+    return CaseResult(name, label, mode, tokens, lnc, ok, err, ratio, modelled, statistics.median(times))

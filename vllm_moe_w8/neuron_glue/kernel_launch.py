@@ -1,21 +1,33 @@
 """Launching the routed-expert NKI kernels: the one wrapper both Trainium and the CPU tests go through.
 
-:func:`run_routed_experts` takes one layer's experts in the kernel layout (``kernels.host.KernelWeights``,
-the only resident copy) and the routing, picks the dense kernel (decode: every token through every local
-expert) or the token-grouped kernel (prefill: only the routed rows, ``kernels.grouping``) by token count,
-and launches it as an SPMD grid of ``lnc`` programs:
+The launch contract (what the kernel engineers plug into; ``kernels/moe_w8.py`` documents each tensor):
 
-* on a Neuron host (a ``/dev/neuron*`` device), the way vllm-neuron launches its own kernels:
-  ``wrap_nki(kernel)[lnc](...)``, the higher-order op its ``torch.compile`` backend lowers
-  (``libtorch_neuronx_lite.nki.nki_hop`` or ``vllm_neuron.nki.nki_hop``), with AWS's ``nki`` >= 0.3.0
-  checked at start. Anything missing there is a :class:`NeuronLaunchError`, never a CPU fallback;
-* elsewhere, the same calls run in the project's NKI interpreter (``kernels.nki_cpu.launch`` with the
-  grid ``[lnc]``, refusing a grid that disagrees with the LNC), and the log says so once.
+    kernel                      tensors (positional, device tensors, in this order)           constants     output
+    moe_w8_pow2 /               hidden [T, H] bf16 (T a bucket <= 128, host.T_BUCKETS),        swiglu_limit  [lnc, T, H] fp32
+    moe_w8_output_block         w13 [E, 128, H/128, 2I] u8, w13_scales [E, 2I/128, G13] f32,   (float)       (one partial sum
+                                w2 [E, 128, I/128, H] u8, w2_scales [E, H/128, G2] f32,                      per program)
+                                affinities [T, E] f32 (0 where not routed)
 
-``torch.ops.moe_w8.nki_routed_experts`` is the same function as a torch custom op (the host-side
-grouping is data-dependent: under ``torch.compile`` the op is one opaque node). Its schema is inferred
-from the annotations when this module is imported, on every host, so a schema error cannot hide until a
-Neuron host.
+Every launch is ``wrap_nki(kernel)[lnc](*tensors, **constants)``, as vllm-neuron launches its own kernels:
+the callers are made once (:func:`backend`, resolved when a block is adopted, never in a forward), the
+tensors are built by torch ops on the input's device, and the constants do not depend on the data (no
+recompile per routing). :func:`run_routed_experts` is trace-safe under ``torch.compile(fullgraph=True,
+dynamic=False)``: decode (T <= 128) is one launch on the padded bucket; prefill runs the same dense kernel
+over 128-token chunks (exact, trace-safe, every local expert per chunk: slower than a routed schedule, until
+the device-scheduled prefill kernel of the kernels issue replaces it). A new kernel joins :data:`KERNELS`
+with its output contract and :func:`backend` makes its caller.
+
+Where the kernels run:
+
+* on a Neuron host (a ``/dev/neuron*`` device): vllm-neuron's ``wrap_nki`` (``libtorch_neuronx_lite.nki.nki_hop``
+  or ``vllm_neuron.nki.nki_hop``), with AWS's ``nki`` >= 0.3.0 checked. Anything missing there is a
+  :class:`NeuronLaunchError`, never a CPU fallback;
+* elsewhere, :func:`vllm_moe_w8.neuron_glue.interpreter_hop.wrap_nki`: the same calls and the same graph shape
+  (one opaque node per launch, output shapes from the contract), executed by the project's NKI interpreter
+  (grid ``[lnc]``, a grid that disagrees with the LNC refused), and the log says so once.
+
+:func:`run_grouped_experts` (the token-grouped kernel on a host-built schedule) is eager only: its tile
+schedule is read from the routing and becomes kernel constants; the served forward does not use it.
 """
 
 from __future__ import annotations
@@ -24,9 +36,8 @@ import functools
 import importlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from vllm_moe_w8.kernels import grouping, host
@@ -54,6 +65,34 @@ class Backend:
     name: str  # "neuron" or "interpreter"
     detail: str
     wrap_nki: object = None
+    callers: dict = field(default_factory=dict)  # kernel name -> wrap_nki(kernel), made once
+
+
+def _dense_output(tensors, grid: int):
+    hidden, w2 = tensors[0], tensors[3]
+    return (grid, hidden.shape[0], w2.shape[3]), torch.float32
+
+
+def _grouped_output(tensors, grid: int):
+    rows, w2 = tensors[0], tensors[4]
+    return (rows.shape[0], w2.shape[3]), torch.float32
+
+
+# Every kernel the glue launches, with its output contract (the interpreter's fake implementation uses it;
+# on Neuron, vllm-neuron's wrap_nki compiles the kernel for its shapes).
+KERNELS = {k.__name__: (k, _dense_output) for k in DENSE.values()}
+KERNELS.update({k.__name__: (k, _grouped_output) for k in GROUPED.values()})
+
+
+def _callers(wrap) -> dict:
+    return {name: wrap(kernel) for name, (kernel, _) in KERNELS.items()}
+
+
+def _interpreter_backend(detail: str) -> Backend:
+    from vllm_moe_w8.neuron_glue import interpreter_hop
+
+    return Backend("interpreter", detail, interpreter_hop.wrap_nki,
+                   {name: interpreter_hop.wrap_nki(kernel, output) for name, (kernel, output) in KERNELS.items()})
 
 
 def neuron_device_present() -> tuple[bool, str]:
@@ -121,15 +160,16 @@ def real_nki() -> tuple[object, str]:
 
 @functools.lru_cache(maxsize=1)
 def backend() -> Backend:
-    """Where the kernels run. A Neuron device with anything missing is an error (no silent CPU fallback);
-    ``VLLM_MOE_W8_NKI=interpreter`` asks for the interpreter explicitly (neuron-check prices the kernels so)."""
+    """Where the kernels run, with their callers (resolved once: at adoption, never inside a forward). A Neuron
+    device with anything missing is an error (no silent CPU fallback); ``VLLM_MOE_W8_NKI=interpreter`` asks for
+    the interpreter explicitly (neuron-check prices the kernels so)."""
     if os.environ.get("VLLM_MOE_W8_NKI", "").lower() == "interpreter":
-        b = Backend("interpreter", "VLLM_MOE_W8_NKI=interpreter: the kernels run in the project's NKI interpreter (forced)")
+        b = _interpreter_backend("VLLM_MOE_W8_NKI=interpreter: the kernels run in the project's NKI interpreter (forced)")
         logger.warning("neuron-w8: %s", b.detail)
         return b
     present, where = neuron_device_present()
     if not present:
-        b = Backend("interpreter", f"{where}: the kernels run in the project's NKI interpreter on CPU")
+        b = _interpreter_backend(f"{where}: the kernels run in the project's NKI interpreter on CPU")
         logger.info("neuron-w8: %s", b.detail)
         return b
     nki, why = real_nki()
@@ -137,7 +177,7 @@ def backend() -> Backend:
         raise NeuronLaunchError(f"{where} but AWS nki is unusable ({why}); install the Neuron SDK's nki (>= 0.3.0)")
     version = check_nki_version(getattr(nki, "__version__", None))
     wrap_nki, origin = import_wrap_nki()
-    b = Backend("neuron", f"{where}; nki {version}; kernels launched by {origin}.wrap_nki", wrap_nki)
+    b = Backend("neuron", f"{where}; nki {version}; kernels launched by {origin}.wrap_nki", wrap_nki, _callers(wrap_nki))
     logger.info("neuron-w8: %s", b.detail)
     return b
 
@@ -152,25 +192,24 @@ def runtime_lnc(env: dict | None = None) -> int:
     return int(value)
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
+def launch(kernel, lnc: int, tensors: tuple, constants: dict, stats: list | None = None,
+           where: Backend | None = None) -> torch.Tensor:
+    """``wrap_nki(kernel)[lnc](*tensors, **constants)`` on the backend (``where``, else :func:`backend`, eager only);
+    with the interpreter, ``stats`` gets each program's counters."""
+    b = where or backend()
+    wrapped = b.callers.get(kernel.__name__)
+    if wrapped is None:  # a kernel outside KERNELS (neuron-check's microbenchmarks): vllm-neuron's wrap_nki takes any
+        if b.name != "neuron":
+            raise KeyError(f"launch: {kernel.__name__} is not in kernel_launch.KERNELS (the interpreter needs its output "
+                           "contract); register it there")
+        wrapped = b.wrap_nki(kernel)
+    caller = wrapped[lnc]
+    if stats is None:
+        return caller(*tensors, **constants)
+    from vllm_moe_w8.neuron_glue import interpreter_hop
 
-        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.contiguous().numpy()
-
-
-def launch(kernel, lnc: int, tensors: tuple, constants: dict, stats: list | None = None) -> torch.Tensor:
-    """``kernel[lnc](*tensors, **constants)`` on the backend; the interpreter appends each program's Stats."""
-    b = backend()
-    if b.name == "neuron":
-        return b.wrap_nki(kernel)[lnc](*tensors, **constants)
-    from vllm_moe_w8.kernels import nki_cpu
-
-    out, program_stats = nki_cpu.launch(kernel, (lnc,), *[_numpy(t) for t in tensors], lnc=lnc, **constants)
-    if stats is not None:
-        stats.append(program_stats)
-    return torch.from_numpy(np.asarray(out, dtype=np.float32))
+    with interpreter_hop.collect_stats(stats):
+        return caller(*tensors, **constants)
 
 
 def _check(x, topk_weights, topk_ids, kw: host.KernelWeights, lnc: int, swiglu_limit: float) -> None:
@@ -187,49 +226,48 @@ def _check(x, topk_weights, topk_ids, kw: host.KernelWeights, lnc: int, swiglu_l
 
 
 def kernel_for(tokens: int, mode: str) -> tuple[str, object]:
-    """('dense' | 'grouped', kernel) for a call with ``tokens`` tokens."""
-    return ("dense", DENSE[mode]) if tokens <= DENSE_MAX_TOKENS else ("grouped", GROUPED[mode])
+    """('dense' | 'dense-chunked', kernel): how :func:`run_routed_experts` runs ``tokens`` tokens."""
+    return ("dense" if tokens <= DENSE_MAX_TOKENS else "dense-chunked"), DENSE[mode]
 
 
 def run_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights, *,
-                       lnc: int, swiglu_limit: float = 0.0, stats: list | None = None) -> torch.Tensor:
-    """The routed sum [T, H] fp32 (DEVELOPING.md, "The MoE op", semantics) computed by the NKI kernels."""
+                       lnc: int, swiglu_limit: float = 0.0, stats: list | None = None,
+                       where: Backend | None = None) -> torch.Tensor:
+    """The routed sum [T, H] fp32 (DEVELOPING.md, "The MoE op", semantics) computed by the dense NKI kernel,
+    trace-safe (see the module docstring). ``where``: the backend resolved beforehand (required under trace)."""
+    _check(x, topk_weights, topk_ids, kw, lnc, swiglu_limit)
+    tokens = x.shape[0]
+    if tokens == 0:
+        return x.new_zeros((0, kw.hidden_size), dtype=torch.float32)
+    weights = (kw.w13, kw.w13_scales, kw.w2, kw.w2_scales)
+    limit = float(swiglu_limit)
+    kernel = DENSE[kw.mode]
+    aff = host.dense_affinities(topk_weights, topk_ids, kw.num_experts)
+    outs = []
+    for start in range(0, tokens, DENSE_MAX_TOKENS):
+        stop = min(tokens, start + DENSE_MAX_TOKENS)
+        bucket = host.bucket_for(stop - start)
+        hidden = host.pad_rows(x[start:stop].to(torch.bfloat16), bucket)
+        aff_chunk = host.pad_rows(aff[start:stop], bucket)  # padded tokens have zero affinity: they add nothing
+        host.check_kernel_args(hidden, *weights, aff_chunk, mode=kw.mode, swiglu_limit=limit)
+        partial = launch(kernel, lnc, (hidden,) + weights + (aff_chunk,), {"swiglu_limit": limit}, stats, where)
+        outs.append(partial.float().sum(dim=0)[: stop - start])  # one partial sum per program (logical core)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def run_grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights, *,
+                        lnc: int, swiglu_limit: float = 0.0, stats: list | None = None) -> torch.Tensor:
+    """The routed sum through the token-grouped kernel on a host-built schedule (eager only, see the module docstring)."""
     _check(x, topk_weights, topk_ids, kw, lnc, swiglu_limit)
     tokens = x.shape[0]
     weights = (kw.w13, kw.w13_scales, kw.w2, kw.w2_scales)
     limit = float(swiglu_limit)
-    which, kernel = kernel_for(tokens, kw.mode)
-    if tokens == 0:
-        return torch.zeros(0, kw.hidden_size, dtype=torch.float32)
-    if which == "dense":
-        aff = host.dense_affinities(topk_weights, topk_ids, kw.num_experts)
-
-        def dense(hidden, aff_chunk):
-            host.check_kernel_args(hidden, *weights, aff_chunk, mode=kw.mode, swiglu_limit=limit)
-            partial = launch(kernel, lnc, (hidden,) + weights + (aff_chunk,), {"swiglu_limit": limit}, stats)
-            return partial.float().sum(dim=0)  # one partial sum per program (logical core)
-
-        return host.run_chunked(dense, x, aff)
     groups = grouping.group_by_expert(topk_weights, topk_ids, kw.num_experts, programs=lnc)
     if groups.rows == 0:
-        return torch.zeros(tokens, kw.hidden_size, dtype=torch.float32)
+        return torch.zeros(tokens, kw.hidden_size, dtype=torch.float32, device=x.device)
     rows = grouping.gather_rows(x, groups)
     host.check_grouped_args(rows, groups.row_weight, *weights, groups.expert_tiles, groups.expert_program, mode=kw.mode,
                             programs=lnc, swiglu_limit=limit)
     constants = {"expert_tiles": groups.expert_tiles, "expert_program": groups.expert_program, "swiglu_limit": limit}
-    rows_out = launch(kernel, lnc, (rows, groups.row_weight) + weights, constants, stats)
+    rows_out = launch(GROUPED[kw.mode], lnc, (rows, groups.row_weight) + weights, constants, stats)
     return grouping.scatter_rows(rows_out, groups, tokens)
-
-
-@torch.library.custom_op("moe_w8::nki_routed_experts", mutates_args=())
-def nki_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                       w13_scales: torch.Tensor, w2: torch.Tensor, w2_scales: torch.Tensor, mode: str, lnc: int,
-                       swiglu_limit: float) -> torch.Tensor:
-    """:func:`run_routed_experts` as a torch op (weights unpacked from ``KernelWeights``)."""
-    kw = host.KernelWeights(w13, w13_scales, w2, w2_scales, mode)
-    return run_routed_experts(x, topk_weights, topk_ids, kw, lnc=lnc, swiglu_limit=swiglu_limit)
-
-
-@nki_routed_experts.register_fake
-def _nki_routed_experts_fake(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, mode, lnc, swiglu_limit):
-    return x.new_empty((x.shape[0], w2.shape[3]), dtype=torch.float32)

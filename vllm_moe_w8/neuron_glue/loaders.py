@@ -12,15 +12,13 @@ self-checked on a few experts (:mod:`vllm_moe_w8.vllm_glue.self_check`) and laid
   ``[r*I_r, (r+1)*I_r)`` of gate and up and the same columns of down.
 
 Every other FP8 tensor (attention, shared expert, dense MLP) reaches vllm-neuron's own loaders already
-dequantised to the model dtype (:func:`dequantizing_slices`): they see an ordinary BF16 checkpoint.
+dequantised to the model dtype (:mod:`vllm_moe_w8.neuron_glue.slice_hook`): they see an ordinary BF16 checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 
@@ -202,82 +200,6 @@ def from_kernel_layout(kw: KernelWeights) -> tuple[torch.Tensor, torch.Tensor]:
     e, p, ic, h = kw.w2.shape
     w2 = kw.w2.transpose(1, 2).reshape(e, ic * p, h).transpose(1, 2).contiguous()
     return w13, w2
-
-
-# ---- non-expert FP8 tensors: dequantised before vllm-neuron's loaders see them ---------------------------
-
-
-class DequantizedSlice:
-    """A stand-in for safetensors' PySafeSlice of an FP8 weight: indexes the weight dequantised to ``dtype``."""
-
-    def __init__(self, weight_slice, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, name: str):
-        self._weight_slice, self._scale, self._block, self._dtype, self._name = weight_slice, scale, block, dtype, name
-        self._full: torch.Tensor | None = None
-
-    def get_shape(self):
-        return self._weight_slice.get_shape()
-
-    def get_dtype(self) -> str:
-        return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[self._dtype]
-
-    def full(self) -> torch.Tensor:
-        if self._full is None:
-            w = self._weight_slice[:]
-            self._full = fp8.dequantize_checkpoint(w, self._scale, self._block, name=self._name).to(self._dtype)
-        return self._full
-
-    def __getitem__(self, index):
-        return self.full()[index]
-
-
-_active = threading.local()  # (fmt, dtype) while a neuron-w8 load runs in this thread
-HOOKED = "_neuron_w8_dequantizing"
-
-
-@contextlib.contextmanager
-def dequantizing_slices(checkpoint_cls, fmt, dtype: torch.dtype):
-    """While active (in this thread), ``checkpoint_cls._get_slice(key)`` of an FP8 weight returns a :class:`DequantizedSlice`.
-
-    ``checkpoint_cls`` is vllm-neuron's ``SafetensorsCheckpoint``; ``fmt`` the checkpoint's
-    :class:`~vllm_moe_w8.vllm_glue.checkpoint_format.CheckpointFormat` (its non-expert scale tiles and scale name). The
-    class's method is wrapped once; outside such a block (other models, other threads) it behaves as before.
-    """
-    install_slice_hook(checkpoint_cls)
-    previous = getattr(_active, "load", None)
-    _active.load = (fmt, dtype)
-    try:
-        yield
-    finally:
-        _active.load = previous
-
-
-def install_slice_hook(checkpoint_cls) -> None:
-    original = checkpoint_cls.__dict__["_get_slice"]
-    if getattr(original, HOOKED, False):
-        return
-
-    def _get_slice(self, key):
-        sl = original(self, key)
-        load = getattr(_active, "load", None)
-        if load is None or _slice_dtype(sl) != "F8_E4M3":
-            return sl
-        fmt, dtype = load
-        if not key.endswith(".weight"):
-            raise CheckpointError(f"neuron-w8: FP8 tensor {key!r} is not a '.weight'; cannot find its scale")
-        scale_key = f"{key[: -len('weight')]}{fmt.linear_scale_suffix}"
-        try:
-            scale = original(self, scale_key)[:]
-        except (KeyError, AttributeError, RuntimeError) as e:
-            raise CheckpointError(f"neuron-w8: FP8 tensor {key!r} has no {fmt.linear_scale_suffix} ({e}); cannot dequantise it") from e
-        return DequantizedSlice(sl, scale, tuple(fmt.linear_block), dtype, key)
-
-    setattr(_get_slice, HOOKED, True)
-    checkpoint_cls._get_slice = _get_slice
-
-
-def _slice_dtype(sl) -> str | None:
-    get = getattr(sl, "get_dtype", None)
-    return get() if callable(get) else None
 
 
 def resolve_checkpoint_dir(path: str, cache_dir: str | None) -> str:

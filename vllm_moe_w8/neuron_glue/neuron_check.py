@@ -3,10 +3,12 @@
 1. Inventory: versions of vllm, vllm-neuron, nki, libtorch-neuronx-lite / torch-neuronx; vllm-neuron's
    model runner (generation); the registry entries neuron-w8 wraps (``neuron_glue.interfaces.TARGETS``, each
    wrapped / present / missing) and the models it leaves alone; the platform's quantization list; the LNC; where the kernels run.
-2. Kernels: one MoE layer per kernel (dense pow2, dense output-block, grouped pow2, grouped output-block,
-   and dense pow2 on FP8 subnormal codes) through ``kernel_launch.run_routed_experts`` - wrap_nki on a
-   Neuron host, the interpreter elsewhere - against the fp32 reference, with the error, the gate
-   (``kernel_check``), the cost model's per-call time and the measured wall time.
+2. Kernels: one MoE layer per case (decode pow2 and output-block, prefill over 128-token chunks pow2 and
+   output-block, and decode pow2 on FP8 subnormal codes) through ``kernel_launch.run_routed_experts`` compiled
+   as vllm-neuron's runner compiles the model (``torch.compile(fullgraph=True, dynamic=False)``; on a Neuron host
+   with vllm-neuron's compile backend, else "eager") - wrap_nki on a Neuron host, the interpreter elsewhere -
+   against the fp32 reference, with the error, the gate (``kernel_check``), the cost model's per-call time and
+   the measured wall time.
 3. Microbenchmarks (``neuron_glue.microbench``): the device facts the pow2 kernel's engine schedule depends on,
    measured vs both cost scenarios; on a Neuron host they write the calibration file the kernel reads at load.
 4. On a Neuron host: serves the demo's tiny model with ``--quantization neuron-w8`` (``vllm_moe_w8.tools.demo``).
@@ -36,8 +38,8 @@ LAYER = dict(hidden=2048, inter=512, experts_neuron=32, experts_cpu=4, top_k=8)
 CASES = (  # (name, mode, tokens, subnormal codes)
     ("dense pow2 (decode)", "pow2", 8, False),
     ("dense output-block (decode)", "output-block", 8, False),
-    ("grouped pow2 (prefill)", "pow2", 256, False),
-    ("grouped output-block (prefill)", "output-block", 256, False),
+    ("dense pow2 (prefill, 128-token chunks)", "pow2", 256, False),
+    ("dense output-block (prefill, 128-token chunks)", "output-block", 256, False),
     ("dense pow2, subnormal codes", "pow2", 8, True),
 )
 EXIT_OK, EXIT_FAILED, EXIT_NOT_NEURON = 0, 1, 2
@@ -69,9 +71,23 @@ def _entry_state(target) -> str:
         factory = interfaces.import_attr(*target.factory)
     except Exception as exc:  # noqa: BLE001  (a broken vllm-neuron is an inventory line, not a crash)
         return f"missing in vllm-neuron {interfaces.vllm_neuron_version()} ({type(exc).__name__}: {exc})"
+    listed = _registry_listing(target)
     if getattr(getattr(factory, "from_configs", None), registration.WRAPPED, False):
-        return f"wrapped (vllm-neuron {interfaces.vllm_neuron_version()})"
-    return f"present in vllm-neuron {interfaces.vllm_neuron_version()}, not wrapped (vllm_moe_w8.register() has not run here)"
+        return f"wrapped (vllm-neuron {interfaces.vllm_neuron_version()}; {listed})"
+    return (f"present in vllm-neuron {interfaces.vllm_neuron_version()}, not wrapped (vllm_moe_w8.register() has not run "
+            f"here; {listed})")
+
+
+def _registry_listing(target) -> str:
+    """Which of the target's architectures the installed registry (get_models()) lists."""
+    try:
+        models = dict(interfaces.import_attr(*registration.REGISTRY)())
+    except Exception as exc:  # noqa: BLE001  (an inventory line, not a crash)
+        return f"registry unreadable: {type(exc).__name__}: {exc}"
+    listed = [a for a in target.architectures if a in models]
+    missing = [a for a in target.architectures if a not in models]
+    return (f"registry lists {', '.join(listed) or 'none'}" + (f"; not listed: {', '.join(missing)} (refused: "
+            f"{'; '.join(registration.REGISTERED_IN.get(a, 'none known') for a in missing)})" if missing else ""))
 
 
 def platform_quantizations() -> list[str] | str:
@@ -97,6 +113,7 @@ def inventory(lnc: int) -> dict:
         "lnc": f"{lnc} (NEURON_LOGICAL_NC_CONFIG={os.environ.get('NEURON_LOGICAL_NC_CONFIG', 'unset: trn2 default')})",
         "device": device,
         "neuron_host": present,
+        "compiled_with": "torch.compile(fullgraph=True, dynamic=False), backend " + compile_backend(present)[1],
     }
     try:
         inv["kernels_run_on"] = kernel_launch.backend().detail
@@ -120,6 +137,20 @@ def subnormal_layer(num_experts: int, hidden: int, inter: int, seed: int = 0):
             torch.ones(num_experts, hidden // 128, inter // 128), (128, 128))
 
 
+def compile_backend(on_neuron: bool):
+    """vllm-neuron's torch.compile backend on a Neuron host (``vllm_neuron.envs.get_compile_backend_name``),
+    else "eager" (the trace is what CPU checks); (backend, description)."""
+    if on_neuron:
+        try:
+            from vllm_neuron.envs import get_compile_backend_name
+
+            name = get_compile_backend_name()
+            return name, f"{name} (vllm-neuron's)"
+        except Exception as exc:  # noqa: BLE001  (reported in the inventory, the check still runs)
+            return "eager", f"eager (vllm_neuron.envs.get_compile_backend_name unavailable: {type(exc).__name__}: {exc})"
+    return "eager", "eager (no Neuron host: the fullgraph trace is checked, the graph runs the interpreter)"
+
+
 def run_kernels(lnc: int, experts: int, device: str = "cpu") -> list[kernel_check.CaseResult]:
     ckpt = kernel_check.checkpoint_experts(experts, LAYER["hidden"], LAYER["inter"], seed=0)
     layers = {}
@@ -130,8 +161,10 @@ def run_kernels(lnc: int, experts: int, device: str = "cpu") -> list[kernel_chec
         else:
             layer = layers.setdefault(mode, kernel_check.repacked(ckpt, mode))
         top_k = min(LAYER["top_k"], experts)
+        backend_name, _ = compile_backend(device != "cpu")
         results.append(kernel_check.run_case(name, None, mode, tokens, top_k, lnc, seed=tokens, layer=layer,
-                                             repeats=3 if device != "cpu" else 1, device=device))
+                                             repeats=3 if device != "cpu" else 1, device=device,
+                                             compile_backend=backend_name))
     return results
 
 

@@ -10,8 +10,9 @@ is vllm-neuron's) does three things, each by wrapping, never by copying vllm-neu
 2. the factories of the supported MoE families (``from_configs`` of the class vLLM's registry resolves):
    when neuron-w8 is requested, each built model's BF16 MoE blocks become ours
    (:func:`vllm_moe_w8.neuron_glue.experts.adopt`);
-3. that model's ``load_weights``: FP8 tensors of the other layers reach vllm-neuron's loaders
-   dequantised, then our loader fills the experts (:mod:`vllm_moe_w8.neuron_glue.loaders`).
+3. that model's ``load_weights`` / ``load_weights_lite`` (:mod:`vllm_moe_w8.neuron_glue.model_load`): sizes
+   checked against the checkpoint, FP8 tensors of the other layers reach vllm-neuron's loaders dequantised on
+   every loader thread, then our loader fills the experts (:mod:`vllm_moe_w8.neuron_glue.loaders`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from __future__ import annotations
 import logging
 
 from vllm_moe_w8.about import QUANTIZATION_NAME
-from vllm_moe_w8.neuron_glue import experts, interfaces, loaders, settings
+from vllm_moe_w8.neuron_glue import experts, interfaces, loaders, model_load, settings
 from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
 
 logger = logging.getLogger("vllm.neuron_w8")
 WRAPPED = "_neuron_w8_wrapped"
-CHECKPOINT_CLASS = ("vllm_neuron.utils.checkpoints", "SafetensorsCheckpoint")
 
 
 def install(platform_cls: type) -> None:
@@ -76,8 +76,39 @@ def _precheck_config(vllm_config) -> None:
         raise NeuronGlueError(err)
     model_config = vllm_config.model_config
     arch = architecture_of(model_config.hf_config)
-    interfaces.resolve_target(arch)
+    target, factory, _ = interfaces.resolve_target(arch)
+    check_registered(arch, factory)
     settings.resolve(quant_config_of(model_config.hf_config), getattr(vllm_config, "additional_config", None))
+
+
+# The public vllm-neuron trees read (DEVELOPING.md pins the files) whose registry (model/registry.py get_models())
+# lists each architecture neuron-w8 adopts; vLLM resolves an unlisted architecture to its own model class,
+# which vllm-neuron's runner cannot build.
+REGISTERED_IN = {
+    "Qwen3MoeForCausalLM": "none of the trees read registers it (vllm-project/vllm-neuron model/registry.py @5528be7, "
+                           "jinhuang12/vllm-neuron and whn09/vllm-neuron list no Qwen3MoeForCausalLM, although "
+                           "upstream has model/qwen3_moe/)",
+    "Qwen3_5MoeForConditionalGeneration": "whn09/vllm-neuron model/registry.py @3de9ea3",
+}
+REGISTRY = ("vllm_neuron.model.registry", "get_models")
+
+
+def check_registered(arch: str, factory: type) -> None:
+    """The installed vllm-neuron's registry lists ``arch`` with the factory neuron-w8 wraps, else refuse naming the trees."""
+    version = interfaces.vllm_neuron_version()
+    try:
+        models = dict(interfaces.import_attr(*REGISTRY)())
+    except Exception as e:  # noqa: BLE001  (any failure: the registry cannot be read)
+        raise NeuronGlueError(f"neuron-w8 on Neuron: cannot read vllm-neuron {version}'s {'.'.join(REGISTRY)}() ({e})") from e
+    registered = models.get(arch)
+    if registered is None or not (isinstance(registered, type) and issubclass(registered, factory) or registered is factory):
+        found = "does not list it" if registered is None else f"maps it to {registered!r}, not {factory.__module__}.{factory.__name__}"
+        raise NeuronGlueError(
+            f"neuron-w8 on Neuron: architecture {arch}: vllm-neuron {version}'s registry ({'.'.join(REGISTRY)}()) {found}, "
+            f"so vLLM would build a model class vllm-neuron cannot run. vllm-neuron trees whose registry lists "
+            f"{arch}: {REGISTERED_IN.get(arch, 'none known')}. Install one of those, or serve without --quantization "
+            "neuron-w8"
+        )
 
 
 def architecture_of(hf_config) -> str:
@@ -147,38 +178,9 @@ def convert_model(model, vllm_config):
         plans.append(rank_plan(block, target))
         plans[-1].validate(name)
         experts.adopt(block, target, name, plans[-1], cfg, arch)
-    wrap_load_weights(model, arch, cfg, dtype=model_config.dtype)
+    model_load.wrap(model, arch, cfg, dtype=model_config.dtype)
     logger.info(
         "neuron-w8 on Neuron: %s (vllm-neuron %s): %d MoE blocks use 1-byte experts (mode %s from %s, LNC %d)",
         arch, interfaces.vllm_neuron_version(), len(blocks), cfg.mode, cfg.mode_source, cfg.lnc,
     )
     return model
-
-
-def wrap_load_weights(model, arch: str, cfg, dtype) -> None:
-    from vllm_moe_w8.codec.model_config import SUPPORTED_ARCHITECTURES
-
-    original = getattr(model, "load_weights", None)
-    if original is None:
-        raise NeuronGlueError(f"neuron-w8 on Neuron: the {arch} model has no load_weights (interface changed)")
-    try:
-        checkpoint_cls = interfaces.import_attr(*CHECKPOINT_CLASS)
-    except (ImportError, AttributeError) as e:
-        raise NeuronGlueError(f"neuron-w8 on Neuron: {'.'.join(CHECKPOINT_CLASS)} is missing ({e}); interface changed") from e
-    if "_get_slice" not in vars(checkpoint_cls):
-        raise NeuronGlueError(f"neuron-w8 on Neuron: {'.'.join(CHECKPOINT_CLASS)} has no _get_slice (interface changed)")
-    prefix = SUPPORTED_ARCHITECTURES[arch][0]
-
-    def load_weights(checkpoint_path, device, cache_dir=None):
-        with loaders.dequantizing_slices(checkpoint_cls, cfg.fmt, dtype):
-            original(checkpoint_path, device, cache_dir)
-        source = loaders.ExpertSource(loaders.resolve_checkpoint_dir(checkpoint_path, cache_dir), prefix)
-        loads, plan = [], None
-        for _, block in experts.adopted_blocks(model):
-            ld = loaders.load_layer_experts(source, block.w8_layer, block.w8_plan, cfg)
-            block.w8_set_weights(ld.weights, device)
-            loads.append(ld)
-            plan = block.w8_plan
-        loaders.log_totals(loads, cfg, plan)
-
-    model.load_weights = load_weights

@@ -1,9 +1,11 @@
 """STAND-IN: process groups. Upstream's are vLLM GroupCoordinators; here the ranks of a group are the
 threads of one test process, and a group offers the GroupCoordinator methods the MoE blocks call:
-world_size, rank_in_group, all_reduce(t), all_gather(t, dim), reduce_scatter(t, dim)."""
+world_size, rank_in_group, all_reduce(t), all_gather(t, dim), reduce_scatter(t, dim). They are traceable by
+torch.compile (one custom op per exchange, ``standin_collectives``), as vllm-neuron's are by its backend."""
 
 import threading
 
+import standin_collectives
 import torch
 
 
@@ -14,6 +16,7 @@ class ThreadGroup:
         self.world_size = world_size
         self.barrier = threading.Barrier(world_size)
         self.slots = [None] * world_size
+        self.key = standin_collectives.register(self)
 
     def exchange(self, rank: int, tensor: torch.Tensor) -> list:
         self.barrier.wait()
@@ -28,11 +31,17 @@ class GroupCoordinator:
     def __init__(self, group: ThreadGroup, rank_in_group: int):
         self.group, self.rank_in_group, self.world_size = group, rank_in_group, group.world_size
 
+    def _gather(self, t):
+        return torch.ops.vllm_neuron_standin.all_gather(t, self.group.key, self.rank_in_group)
+
     def all_reduce(self, t):
-        return sum(x.float() for x in self.group.exchange(self.rank_in_group, t)).to(t.dtype)
+        gathered = self._gather(t).view((self.world_size,) + tuple(t.shape))
+        return gathered.float().sum(dim=0).to(t.dtype)
 
     def all_gather(self, t, dim=0):
-        return torch.cat(self.group.exchange(self.rank_in_group, t), dim=dim)
+        if dim != 0:
+            raise NotImplementedError("stand-in: all_gather along dim 0 only")
+        return self._gather(t)
 
     def reduce_scatter(self, t, dim=0):
         total = self.all_reduce(t)

@@ -1,0 +1,114 @@
+"""The built model's ``load_weights`` (and ``load_weights_lite``) with neuron-w8's experts.
+
+vllm-neuron's runner (upstream ``vllm/worker/neuron_model_runner.py`` @9fc042ea, ``load_model``) builds the
+model on the meta device, then either calls ``model.load_weights(path, device, download_dir)`` and moves the
+model to the device, or, with ``VLLM_NEURON_CPU_COMPILE``, calls ``model.load_weights_lite(path, cpu,
+download_dir)`` and moves the model to meta (the graph is compiled without weights). Both are wrapped here:
+
+* :func:`wrap` ``load_weights``: first the built model's sizes are compared with the checkpoint's
+  (:func:`check_sizes`: a vllm-neuron config that lost ``num_experts`` builds its default expert count);
+  then vllm-neuron's own load runs with :mod:`slice_hook` active on every thread (non-expert FP8 tensors
+  dequantised, scales from the checkpoint's own index); then each adopted block's experts are read, repacked
+  and laid out (:mod:`loaders`) and stored on ``device``.
+* ``load_weights_lite``: every adopted block gets meta buffers of the kernel layout's shapes and dtypes
+  (:func:`meta_weights`), so the compiled graph sees the experts it will run with; then vllm-neuron's own.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm_moe_w8.codec.model_config import SUPPORTED_ARCHITECTURES, text_config
+from vllm_moe_w8.kernels.host import P, KernelWeights
+from vllm_moe_w8.neuron_glue import experts, interfaces, loaders, slice_hook
+from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
+
+logger = logging.getLogger("vllm.neuron_w8")
+CHECKPOINT_CLASS = ("vllm_neuron.utils.checkpoints", "SafetensorsCheckpoint")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def checkpoint_class():
+    try:
+        cls = interfaces.import_attr(*CHECKPOINT_CLASS)
+    except (ImportError, AttributeError) as e:
+        raise NeuronGlueError(f"neuron-w8 on Neuron: {'.'.join(CHECKPOINT_CLASS)} is missing ({e}); interface changed") from e
+    if "_get_slice" not in vars(cls):
+        raise NeuronGlueError(f"neuron-w8 on Neuron: {'.'.join(CHECKPOINT_CLASS)} has no _get_slice (interface changed)")
+    return cls
+
+
+def checkpoint_sizes(config: dict) -> dict[str, int | None]:
+    """Routed experts, hidden and per-expert intermediate size from a checkpoint's config.json."""
+    t = text_config(config)
+    count = next((t[k] for k in EXPERT_COUNT_KEYS if isinstance(t.get(k), int)), None)
+    return {"experts": count, "hidden": t.get("hidden_size"), "intermediate": t.get("moe_intermediate_size")}
+
+
+def check_sizes(model_path: str, config: dict, plans: list[tuple[str, loaders.RankPlan]], version: str) -> None:
+    """Refuse a built model whose expert count, hidden or intermediate size differs from the checkpoint's."""
+    want = checkpoint_sizes(config)
+    for name, plan in plans:
+        built = {"experts": plan.num_experts, "hidden": plan.hidden_size, "intermediate": plan.intermediate_size}
+        for what, value in built.items():
+            if want[what] is not None and value != want[what]:
+                cause = (
+                    " A likely cause: transformers 5's PretrainedConfig.to_dict() renames num_experts to "
+                    "num_local_experts, and vllm-neuron's Qwen3MoeConfig.from_configs then falls back to its default "
+                    "(128 experts); use a vllm-neuron whose config reads num_local_experts, or transformers < 5"
+                    if what == "experts" else ""
+                )
+                raise NeuronGlueError(
+                    f"neuron-w8 on Neuron: vllm-neuron {version} built {name} with {what} = {value}, but the checkpoint "
+                    f"{model_path} has {what} = {want[what]} (config.json); loading would fail on the router's shape "
+                    f"or serve a different model.{cause}"
+                )
+
+
+def meta_weights(plan: loaders.RankPlan, mode: str) -> KernelWeights:
+    """Kernel-layout buffers on the meta device (shapes and dtypes of what :func:`loaders.load_layer_experts` makes)."""
+    e, h, i_r = plan.num_local, plan.hidden_size, plan.inter_per_rank
+    g13, g2 = (h // P, i_r // P) if mode == "pow2" else (1, 1)
+    meta = dict(device="meta")
+    return KernelWeights(torch.empty(e, P, h // P, 2 * i_r, dtype=torch.uint8, **meta),
+                         torch.empty(e, 2 * i_r // P, g13, dtype=torch.float32, **meta),
+                         torch.empty(e, P, i_r // P, h, dtype=torch.uint8, **meta),
+                         torch.empty(e, h // P, g2, dtype=torch.float32, **meta), mode)
+
+
+def wrap(model, arch: str, cfg, dtype) -> None:
+    """Wrap the built model's ``load_weights`` and ``load_weights_lite`` (see the module docstring)."""
+    original = getattr(model, "load_weights", None)
+    if original is None:
+        raise NeuronGlueError(f"neuron-w8 on Neuron: the {arch} model has no load_weights (interface changed)")
+    checkpoint_cls = checkpoint_class()
+    prefix = SUPPORTED_ARCHITECTURES[arch][0]
+
+    def load_weights(checkpoint_path, device, cache_dir=None):
+        source = loaders.ExpertSource(loaders.resolve_checkpoint_dir(checkpoint_path, cache_dir), prefix)
+        blocks = experts.adopted_blocks(model)
+        check_sizes(checkpoint_path, source.ckpt.config, [(n, b.w8_plan) for n, b in blocks],
+                    interfaces.vllm_neuron_version())
+        with slice_hook.active(checkpoint_cls, source.ckpt, cfg.fmt, dtype):
+            original(checkpoint_path, device, cache_dir)
+        loads, plan = [], None
+        for _, block in blocks:
+            ld = loaders.load_layer_experts(source, block.w8_layer, block.w8_plan, cfg)
+            block.w8_set_weights(ld.weights, device)
+            loads.append(ld)
+            plan = block.w8_plan
+        loaders.log_totals(loads, cfg, plan)
+
+    model.load_weights = load_weights
+    lite = getattr(model, "load_weights_lite", None)
+    if lite is not None:
+        def load_weights_lite(checkpoint_path, device, cache_dir=None):
+            for _, block in experts.adopted_blocks(model):
+                block.w8_set_weights(meta_weights(block.w8_plan, cfg.mode))
+            logger.info("neuron-w8 on Neuron: VLLM_NEURON_CPU_COMPILE: the experts get meta buffers of the kernel "
+                        "layout (no weights read); the graph is compiled for them")
+            return lite(checkpoint_path, device, cache_dir)
+
+        model.load_weights_lite = load_weights_lite
