@@ -1,6 +1,10 @@
 """Prefill on one rank: the dense kernel (every token through every local expert) vs the token-grouped
-kernel (only the routed rows, in 128-row tiles), as the cost model (``kernels/nki_cpu/cost.py``
-``estimate``, unchanged) prices the interpreter's counts of each run.
+kernel (only the routed rows, in 128-row tiles, host schedule) vs the block-scheduled kernel (the same rows
+in 128-row blocks, scheduled on the device: kernels/moe_w8_blocks.py), as the cost model (``kernels/nki_cpu/cost.py``
+``estimate``) prices the interpreter's counts of each run in both cost scenarios (``calibration.SCENARIOS``:
+fitted, documented). The pow2 dense and block kernels run with each scenario's engine schedule
+(``kernels/schedule.py``: the split a Neuron host with that calibration file builds); the grouped kernel has one
+pow2 step (its own) and output-block has no schedule, so those are counted once and priced in both.
 
 Shape: Qwen3.5-35B-A3B at EP=8 (E_local 32 of 256, H 2048, I 512, top-8), routing uniform over the 256
 experts (seeded), so a token has on average one route to this rank. Both kernels run through the same
@@ -26,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
-from vllm_moe_w8.kernels import grouping, host  # noqa: E402
-from vllm_moe_w8.kernels.nki_cpu import cost  # noqa: E402
+from vllm_moe_w8.kernels import grouping, host, launch, routing, schedule  # noqa: E402
+from vllm_moe_w8.kernels.nki_cpu import calibration, cost  # noqa: E402
 from vllm_moe_w8.neuron_glue import kernel_launch  # noqa: E402
 
 SHAPE = dict(E_local=32, E_total=256, H=2048, I=512, top_k=8)
@@ -56,16 +60,39 @@ def uniform_routing(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
     return weights / weights.sum(dim=1, keepdim=True), ids
 
 
-def priced(launch_stats: list, repeat: int = 1) -> dict:
-    """Cost-model time of the calls (slowest program per call) and their summed counters."""
-    per_call = [max((cost.estimate(s) for s in programs), key=lambda e: e.time_s) for programs in launch_stats]
+def priced(launch_stats: list, scenario: str, repeat: int = 1) -> dict:
+    """Cost-model time of the calls in one scenario (slowest program per call) and their summed counters."""
+    sc = calibration.SCENARIOS[scenario]
+    per_call = [max((cost.estimate(s, sc) for s in programs), key=lambda e: e.time_s) for programs in launch_stats]
     flat = [s for programs in launch_stats for s in programs]
     return {
-        "model_ms": repeat * sum(e.time_s for e in per_call) * 1e3,
-        "bound": max(per_call, key=lambda e: e.time_s).bound_by,
+        f"{scenario}_ms": repeat * sum(e.time_s for e in per_call) * 1e3,
+        f"{scenario}_bound": max(per_call, key=lambda e: e.time_s).bound_by,
         "hbm_MB": repeat * sum(s.hbm_read_bytes + s.hbm_write_bytes for s in flat) / 1e6,
         "matmuls": repeat * sum(s.matmul_count for s in flat),
     }
+
+
+def schedules(mode: str) -> dict:
+    """scenario -> the pow2 engine schedule its kernels are built with (None: output-block, no schedule)."""
+    return {name: (schedule.SCHEDULES[name] if mode == "pow2" else None) for name in calibration.SCENARIOS}
+
+
+def _counted(run, mode: str) -> tuple[dict, float]:
+    """scenario -> the launch Stats of ``run(vector_blocks)`` (one run per distinct schedule), interpreter seconds."""
+    runs, wall = {}, 0.0
+    for vb in set(schedules(mode).values()):
+        t0 = time.perf_counter()
+        runs[vb] = run(vb)
+        wall += time.perf_counter() - t0
+    return {name: runs[vb] for name, vb in schedules(mode).items()}, wall
+
+
+def _priced_all(per_scenario: dict, repeat: int = 1) -> dict:
+    out = {}
+    for name, launch_stats in per_scenario.items():
+        out.update(priced(launch_stats, name, repeat))
+    return out
 
 
 def measure(kw: host.KernelWeights, tokens: int, lnc: int) -> list[dict]:
@@ -75,22 +102,39 @@ def measure(kw: host.KernelWeights, tokens: int, lnc: int) -> list[dict]:
     rows = []
     # dense: one 256-token chunk through the wrapper's dense path, times the number of chunks
     chunk = min(host.T_MAX, tokens)
-    dense_stats: list = []
     aff = host.dense_affinities(tw[:chunk], ti[:chunk], SHAPE["E_local"])
-    t0 = time.perf_counter()
-    kernel_launch.launch(kernel_launch.DENSE[kw.mode], lnc, (x[:chunk], kw.w13, kw.w13_scales, kw.w2, kw.w2_scales, aff),
-                         {"swiglu_limit": 0.0}, dense_stats)
-    wall = time.perf_counter() - t0
+
+    def dense(vb):
+        st: list = []
+        consts = {"swiglu_limit": 0.0, **({} if vb is None else {"vector_blocks": vb})}
+        kernel_launch.launch(kernel_launch.DENSE[kw.mode], lnc, (x[:chunk], kw.w13, kw.w13_scales, kw.w2, kw.w2_scales, aff),
+                             consts, st)
+        return st
+
+    dense_stats, wall = _counted(dense, kw.mode)
     calls = len(host.chunks(tokens))
     rows.append({"kernel": "dense", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": calls, "counted_calls": 1,
-                 **priced(dense_stats, repeat=calls), "interp_s": wall})
-    # grouped: the whole prefill through run_grouped_experts
+                 **_priced_all(dense_stats, repeat=calls), "interp_s": wall})
+    # grouped: the whole prefill through run_grouped_experts (its own pow2 step: one run, both scenarios)
     grouped_stats: list = []
     t0 = time.perf_counter()
     kernel_launch.run_grouped_experts(x, tw, ti, kw, lnc=lnc, stats=grouped_stats)
     wall = time.perf_counter() - t0
     rows.append({"kernel": "grouped", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": 1, "counted_calls": 1,
-                 **priced(grouped_stats), "interp_s": wall, "routed_rows": groups.routed, "tiles": sum(groups.expert_tiles)})
+                 **_priced_all({n: grouped_stats for n in calibration.SCENARIOS}), "interp_s": wall,
+                 "routed_rows": groups.routed, "tiles": sum(groups.expert_tiles)})
+    # blocks: the whole prefill, schedule built by routing.block_schedule, dynamic loop over the used blocks
+
+    def blocks(vb):
+        st: list = []
+        launch.simulate_routed(x, tw, ti, kw, lnc=lnc, stats=st, block=128, vector_blocks=vb)
+        return st
+
+    block_stats, wall = _counted(blocks, kw.mode)
+    used = int(routing.block_schedule(tw, ti, SHAPE["E_local"], 128, lnc).block_range[:, 1].sum())
+    rows.append({"kernel": "blocks", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": 1, "counted_calls": 1,
+                 **_priced_all(block_stats), "interp_s": wall, "routed_rows": groups.routed, "tiles": used,
+                 "capacity_blocks": routing.capacity_blocks(tokens, SHAPE["top_k"], SHAPE["E_local"], 128)})
     return rows
 
 
@@ -108,18 +152,30 @@ def main() -> None:
             for lnc in args.lnc:
                 for r in measure(kw, tokens, lnc):
                     rows.append(r)
-                    print(f"  {r['kernel']:7s} {mode:12s} T={tokens:5d} LNC={lnc}: {r['model_ms']:.3f} ms ({r['bound']})", flush=True)
+                    print(f"  {r['kernel']:7s} {mode:12s} T={tokens:5d} LNC={lnc}: "
+                          + ", ".join(f"{n} {r[f'{n}_ms']:.3f} ms ({r[f'{n}_bound']})" for n in calibration.SCENARIOS),
+                          flush=True)
+    names = list(calibration.SCENARIOS)
     for r in rows:
-        dense = next(d for d in rows if d["kernel"] == "dense" and (d["mode"], d["T"], d["LNC"]) == (r["mode"], r["T"], r["LNC"]))
-        r["dense/this"] = dense["model_ms"] / r["model_ms"]
+        key = (r["mode"], r["T"], r["LNC"])
+        dense = next(d for d in rows if d["kernel"] == "dense" and (d["mode"], d["T"], d["LNC"]) == key)
+        grouped = next(d for d in rows if d["kernel"] == "grouped" and (d["mode"], d["T"], d["LNC"]) == key)
+        for n in names:
+            r[f"dense/this_{n}"] = dense[f"{n}_ms"] / r[f"{n}_ms"]
+            r[f"grouped/this_{n}"] = grouped[f"{n}_ms"] / r[f"{n}_ms"]
     print(f"\nQwen3.5-35B-A3B EP=8 rank (E_local {SHAPE['E_local']}, H {SHAPE['H']}, I {SHAPE['I']}, top-{SHAPE['top_k']} of "
-          f"{SHAPE['E_total']}); cost model per NeuronCore-v3, slowest program per call")
-    print_table(rows, ["kernel", "mode", "T", "LNC", "calls", "tiles", "routed_rows", "matmuls", "hbm_MB", "model_ms", "bound",
-                       "dense/this", "interp_s"])
+          f"{SHAPE['E_total']}); cost model per NeuronCore-v3, slowest program per call, both scenarios")
+    print_table(rows, ["kernel", "mode", "T", "LNC", "calls", "tiles", "routed_rows", "matmuls", "hbm_MB"]
+                + [f"{n}_ms" for n in names] + [f"grouped/this_{n}" for n in names] + ["interp_s"])
+    for n in names:
+        ok = all(r[f"grouped/this_{n}"] >= 1.0 for r in rows if r["kernel"] == "blocks")
+        print(f"prefill goal (blocks no slower than grouped, modelled), scenario {n}: {'OK' if ok else 'MISSED'}")
     write_json("grouped_prefill", {
-        "shape": SHAPE, "rows": rows, "weight_bytes_per_rank": weight_bytes,
-        "method": "interpreter counts priced by kernels/nki_cpu/cost.py estimate(); dense: one 256-token chunk counted, "
-                  "multiplied by the number of chunks (identical counts per chunk); grouped: the whole prefill counted; "
+        "shape": SHAPE, "rows": rows, "weight_bytes_per_rank": weight_bytes, "scenarios": names,
+        "schedules": {m: schedules(m) for m in args.modes},
+        "method": "interpreter counts priced by kernels/nki_cpu/cost.py estimate() in each scenario (pow2 dense and blocks "
+                  "with that scenario's engine schedule); dense: one 256-token chunk counted, "
+                  "multiplied by the number of chunks (identical counts per chunk); grouped and blocks: the whole prefill counted; "
                   "per call the slowest LNC program",
         "cost_model_assumptions": cost.__doc__,
     })

@@ -9,7 +9,8 @@ depend on the weight values, so the experts are random valid Trn2 float8_e4m3 co
     .venv/bin/python benchmarks/bench_nki_kernels.py            # Qwen3.5-35B-A3B rank shape, T 16..256
     .venv/bin/python benchmarks/bench_nki_kernels.py --quick    # fewer buckets
     .venv/bin/python benchmarks/bench_nki_kernels.py --experts 9 --hidden 4096 --inter 2048   # GLM-5.3-Flash, EP=32
-Writes benchmarks/results/bench_nki_kernels_E{E}_H{H}_I{I}.json.
+    .venv/bin/python benchmarks/bench_nki_kernels.py --routed   # selective decode vs all-expert (decode goal, threshold)
+Writes benchmarks/results/bench_nki_kernels_E{E}_H{H}_I{I}.json (``--routed``: bench_nki_routed_decode.json).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
 from vllm_moe_w8.kernels import host, launch  # noqa: E402
-from vllm_moe_w8.kernels.nki_cpu import cost, run  # noqa: E402
+from vllm_moe_w8.kernels import host_routed, schedule  # noqa: E402
+from vllm_moe_w8.kernels.nki_cpu import calibration, cost, run  # noqa: E402
 
 # Measured per-call times of the reference implementation on trn2 (docs/TRN2_NKI.md), E=32 H=2048 I=512, eager:
 # its coalesced pow2 kernel at B=32/64/128 and its coalesced output-block kernel at B=128 (see calibration.py).
@@ -74,14 +76,129 @@ def measure(kw: host.KernelWeights, tokens: int) -> dict:
     }
 
 
+# --- selective decode vs all-expert (issue #20) ----------------------------------------------------------------
+DECODE_SHAPES = {"Qwen3.5-35B-A3B EP=8": dict(E=32, E_total=256, H=2048, I=512, k=8),
+                 "GLM-5.3-Flash EP=32": dict(E=9, E_total=288, H=4096, I=2048, k=8)}
+DECODE_GOAL = 2.0  # T=1: bytes read and modelled time within 2x the routed experts' bytes / HBM time
+
+
+def scenarios() -> dict:
+    """The cost scenarios to price with (calibration.SCENARIOS: fitted, documented)."""
+    return dict(calibration.SCENARIOS)
+
+
+def _vector_blocks(mode: str, scenario: str) -> int | None:
+    """The pow2 engine schedule a host with that scenario's calibration file builds (kernels/schedule.py)."""
+    return schedule.SCHEDULES[scenario] if mode == "pow2" else None
+
+
+def _priced(per_scenario: dict, prefix: str) -> dict:
+    """``per_scenario``: scenario -> the program Stats of the run built with that scenario's schedule."""
+    out = {}
+    for name, sc in scenarios().items():
+        worst = max((cost.estimate(s, sc) for s in per_scenario[name]), key=lambda e: e.time_s)
+        out[f"{prefix}_{name}_ms"] = worst.time_s * 1e3
+        out[f"{prefix}_{name}_bound"] = worst.bound_by
+    out[f"{prefix}_read_MB"] = sum(s.hbm_read_bytes for s in per_scenario["fitted"]) / 1e6
+    return out
+
+
+def decode_case(label: str, shape: dict, kw: host.KernelWeights, tokens: int, ids: torch.Tensor, weights: torch.Tensor) -> dict:
+    x = torch.randn(tokens, shape["H"]).to(torch.bfloat16)
+    bucket = host.bucket_for(tokens)
+    pad = bucket - tokens
+    xb, wb = host.pad_rows(x, bucket), host.pad_rows(weights, bucket)
+    ib = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
+    used = sorted({int(e) for e in ids.flatten() if e >= 0})
+    per_expert = kw.w13[0].numel() + kw.w2[0].numel() + 4 * (kw.w13_scales[0].numel() + kw.w2_scales[0].numel())
+    routed = len(used) * per_expert
+    t0 = time.perf_counter()
+    sel, dense = {}, {}
+    for vb in {_vector_blocks(kw.mode, n) for n in scenarios()}:  # one run per distinct engine schedule
+        st = []
+        launch.simulate_routed(xb, wb, ib, kw, lnc=1, stats=st, block=bucket, vector_blocks=vb)
+        sel[vb] = st[0]
+        dn = []
+        if vb is None:
+            launch.simulate_moe(xb, wb, ib, kw, dn)
+        else:
+            _, one = run(launch.KERNELS[kw.mode], *launch.kernel_args(xb, host.dense_affinities(wb, ib, kw.num_experts), kw),
+                         vector_blocks=vb)
+            dn = [one]
+        dense[vb] = dn
+    by = {n: _vector_blocks(kw.mode, n) for n in scenarios()}
+    row = {"shape": label, "mode": kw.mode, "T": tokens, "bucket": bucket, "routed_experts": len(used),
+           "routed_MB": routed / 1e6, "routed_hbm_ms": routed / cost.HBM_BYTES_PER_S * 1e3,
+           **_priced({n: sel[vb] for n, vb in by.items()}, "selective"),
+           **_priced({n: dense[vb] for n, vb in by.items()}, "dense"), "interp_s": time.perf_counter() - t0}
+    row["selective_read/routed"] = row["selective_read_MB"] / max(row["routed_MB"], 1e-12)
+    for name in scenarios():
+        row[f"selective_{name}/routed_hbm"] = row[f"selective_{name}_ms"] / max(row["routed_hbm_ms"], 1e-12)
+    return row
+
+
+def routed_decode(quick: bool) -> None:
+    rows = []
+    for label, shape in DECODE_SHAPES.items():
+        e = shape["E"]
+        for mode in ("pow2", "output-block"):
+            kw = random_experts(shape["E"], shape["H"], shape["I"], mode)
+            for routed in (1, 2):  # T=1 with 1 or 2 of its top-k routes on this rank
+                ids = torch.tensor([[1, e - 2][:routed] + [-1] * (shape["k"] - routed)])
+                rows.append(decode_case(label, shape, kw, 1, ids, torch.full((1, shape["k"]), 1.0 / shape["k"])))
+                print(f"  {label} {mode} T=1 routed {routed}: {rows[-1]['selective_read/routed']:.3f} x bytes, "
+                      f"{rows[-1]['selective_fitted_ms']:.3f} ms fitted, {rows[-1]['selective_documented_ms']:.3f} ms "
+                      "documented", flush=True)
+        kw = random_experts(shape["E"], shape["H"], shape["I"], "pow2")
+        for tokens in ((16, 128) if quick else (16, 32, 64, 128)):  # uniform top-k of E_total: the threshold study
+            gen = torch.Generator().manual_seed(tokens)
+            w, ids = torch.rand(tokens, shape["E_total"], generator=gen).topk(shape["k"], dim=1)
+            ids = torch.where(ids < e, ids, -1)
+            rows.append(decode_case(label, shape, kw, tokens, ids, w / w.sum(dim=1, keepdim=True)))
+            print(f"  {label} T={tokens}: selective {rows[-1]['selective_fitted_ms']:.3f} vs dense "
+                  f"{rows[-1]['dense_fitted_ms']:.3f} ms fitted; {rows[-1]['selective_documented_ms']:.3f} vs "
+                  f"{rows[-1]['dense_documented_ms']:.3f} documented", flush=True)
+    names = list(scenarios())
+    cols = ["shape", "mode", "T", "routed_experts", "routed_MB", "selective_read_MB", "selective_read/routed", "routed_hbm_ms"]
+    cols += [f"selective_{n}_ms" for n in names] + [f"dense_{n}_ms" for n in names] + [f"selective_{n}/routed_hbm" for n in names]
+    print_table(rows, cols)
+    t1 = [r for r in rows if r["T"] == 1]
+    for n in names:
+        for mode in ("pow2", "output-block"):
+            ok = all(r["selective_read/routed"] <= DECODE_GOAL and r[f"selective_{n}/routed_hbm"] <= DECODE_GOAL
+                     for r in t1 if r["mode"] == mode)
+            print(f"T=1 goal (<= {DECODE_GOAL}x routed bytes and HBM time), {mode}, scenario {n}: {'OK' if ok else 'MISSED'}")
+    crossover = {}  # per scenario: the largest decode bucket up to which selective is cheaper at every shape
+    for n in names:
+        crossover[n] = 0
+        for t in sorted({r["T"] for r in rows if r["T"] > 1}):
+            if not all(r[f"selective_{n}_ms"] < r[f"dense_{n}_ms"] for r in rows if r["T"] == t):
+                break
+            crossover[n] = t
+    print(f"selective cheaper than all-expert up to T = {crossover}; host_routed.SELECTIVE_MAX_TOKENS_BY_SCENARIO = "
+          f"{host_routed.SELECTIVE_MAX_TOKENS_BY_SCENARIO}")
+    write_json("bench_nki_routed_decode", {"shapes": DECODE_SHAPES, "rows": rows, "goal": DECODE_GOAL,
+                                           "selective_max_tokens": host_routed.SELECTIVE_MAX_TOKENS_BY_SCENARIO,
+                                           "selective_cheaper_up_to": min(crossover.values()),
+                                           "selective_cheaper_up_to_by_scenario": crossover,
+                                           "schedules": {n: _vector_blocks("pow2", n) for n in names},
+                                           "scenarios": names, "method": "interpreter counts, LNC=1; T=1 rows pow2 and output-block, threshold rows pow2; "
+                                           "per scenario kernels/nki_cpu/cost.py estimate(), pow2 kernels built with that "
+                                           "scenario's engine schedule (kernels/schedule.py)",
+                                           "assumptions": cost.__doc__})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--routed", action="store_true", help="selective decode vs all-expert at the decode shapes")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--tokens", type=int, nargs="*", default=list(host.T_BUCKETS))
     ap.add_argument("--quick", action="store_true", help="T in {32, 128} only")
     args = ap.parse_args()
+    if args.routed:
+        return routed_decode(args.quick)
     tokens = [32, 128] if args.quick else args.tokens
     rows = []
     for mode in ("output-block", "pow2"):

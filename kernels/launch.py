@@ -55,3 +55,27 @@ def simulate_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
         return torch.from_numpy(np.asarray(out, dtype=np.float32)).sum(dim=0)  # [1, B, H]: one program
 
     return host.run_chunked(launch, x, aff)
+
+
+def numpy_arg(t: torch.Tensor) -> np.ndarray:
+    return bf16_numpy(t) if t.dtype == torch.bfloat16 else t.contiguous().numpy()
+
+
+def simulate_routed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights, *,
+                    lnc: int = 1, stats: list | None = None, swiglu_limit: float = 0.0, block: int | None = None,
+                    vector_blocks: int | None = None) -> torch.Tensor:
+    """Routed sum [T, H] fp32 by the block-scheduled kernel (selective decode or block prefill, host_routed) in the
+    interpreter, as an LNC grid; each launch's per-program Stats list is appended to ``stats`` when given.
+    ``vector_blocks``: the pow2 engine schedule (kernels/schedule.py; None: the one loaded from the calibration file)."""
+    from . import host_routed, routing
+    from .nki_cpu import launch as nki_launch
+
+    routing.check_routing(topk_ids, kw.num_experts)
+    kernel, tensors, consts = host_routed.block_call(x, topk_weights, topk_ids, kw, lnc, swiglu_limit, block)
+    if vector_blocks is not None and "vector_blocks" in consts:
+        consts = {**consts, "vector_blocks": int(vector_blocks)}
+    host_routed.check_block_args(tensors, consts, kw.mode, lnc, x.shape[0], topk_ids.shape[1])
+    out, program_stats = nki_launch(kernel, (lnc,), *[numpy_arg(t) for t in tensors], lnc=lnc, **consts)
+    if stats is not None:
+        stats.append(program_stats)
+    return routing.combine(torch.from_numpy(np.asarray(out, dtype=np.float32)), x.shape[0])

@@ -37,7 +37,7 @@ def test_cpu_host_runs_every_kernel_reports_what_is_missing_and_exits_2(small_la
     cases = record["kernels"]
     assert [c["name"] for c in cases] == [c[0] for c in neuron_check.CASES]
     assert all(c["passed"] and c["lnc"] == 2 and c["modelled_s"] > 0 for c in cases)
-    assert {c["kernel"] for c in cases} == {"dense", "dense-chunked"}
+    assert {c["kernel"] for c in cases} == {"selective", "dense", "blocks"}
     assert "compiled_with: torch.compile(fullgraph=True, dynamic=False), backend eager" in text
     assert "measured (interpreter wall, not device time)" in text
     assert any("a Neuron device" in m for m in record["missing"]) and any("serving a tiny model" in m for m in record["missing"])
@@ -59,7 +59,7 @@ def test_a_kernel_outside_the_bound_fails_the_check(small_layer, capsys, monkeyp
     monkeypatch.setattr(host, "to_kernel_layout", corrupted)
     monkeypatch.setattr(neuron_check, "CASES", neuron_check.CASES[:1])
     assert neuron_check.run(lnc=1) == neuron_check.EXIT_FAILED
-    assert "outside the bound: dense pow2 (decode)" in capsys.readouterr().out
+    assert "outside the bound: selective pow2 (decode)" in capsys.readouterr().out
 
 
 # --- stand-in: the Neuron branch's decisions with monkeypatched host probes ------------------------------

@@ -42,8 +42,12 @@ class Recorder:
         return gm.forward
 
     def launches(self, gm) -> int:
+        return len(self.kernels(gm))
+
+    def kernels(self, gm) -> list[str]:
+        """The kernel launched by each opaque launch node of a graph (the op's first argument)."""
         op = torch.ops.moe_w8.nki_interpreted
-        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default))
+        return [n.args[0] for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
 
 
 @pytest.fixture()
@@ -113,8 +117,10 @@ def test_compiled_model_traces_whole_matches_reference_and_does_not_recompile(gl
     first = run(seed=1)
     graphs = len(rec.graphs)
     assert graphs == WORLD * len(cases), "one graph per rank and shape: no graph break (fullgraph), no extra compile"
-    # dense launches per graph (one layer): decode 1, prefill ceil(260/128) = 3
-    assert sorted(rec.launches(g) for g in rec.graphs) == sorted([1, 3] * WORLD)
+    # one launch per graph (one layer): decode T=6 the selective block kernel, prefill 260 the block prefill kernel
+    # (host_routed.schedule_for; metadata from kernels/routing.py inside the graph)
+    assert sorted(rec.launches(g) for g in rec.graphs) == [1] * (WORLD * len(cases))
+    assert all(rec.kernels(g) == ["moe_w8_blocks_pow2"] for g in rec.graphs), [rec.kernels(g) for g in rec.graphs]
     with torch._dynamo.config.patch(error_on_recompile=True):
         second = run(seed=100)  # same shapes, different hidden states: a different routing
     assert len(rec.graphs) == graphs, "a second routing of the same shape compiled again"
@@ -175,14 +181,36 @@ def _host_scheduled(x, topk_weights, topk_ids, kw, *, lnc, swiglu_limit, where):
     return kernel_launch.run_grouped_experts(x, topk_weights, topk_ids, kw, lnc=lnc, swiglu_limit=swiglu_limit)
 
 
-@pytest.mark.parametrize("fault", ["value_read_in_affinities", "host_built_schedule"])
+def _checked_block_schedule(real):
+    """FAULT: the block metadata built after a host check of the routing values (routing.check_routing)."""
+    from vllm_moe_w8.kernels import routing
+
+    def schedule(topk_weights, topk_ids, num_experts, *args, **kwargs):
+        routing.check_routing(topk_ids, num_experts)
+        return real(topk_weights, topk_ids, num_experts, *args, **kwargs)
+
+    return schedule
+
+
+T_DENSE = 64  # above the selective threshold, one dense decode bucket
+
+
+@pytest.mark.parametrize("fault", ["value_read_in_affinities", "host_built_schedule", "value_read_in_block_metadata"])
 def test_fault_twins_a_forward_reading_routing_values_does_not_compile(glue, tmp_path, monkeypatch, fault):
-    """The compile test's gate (fullgraph trace) refuses the two ways the forward used to read the routing."""
-    from vllm_moe_w8.kernels import host
+    """The compile test's gate (fullgraph trace) refuses the ways a forward can read the routing on the host: the
+    dense path's affinities (T = 64), a host-built grouped schedule, a value check in the block kernels' metadata
+    (selective decode, T = 6)."""
+    from vllm_moe_w8.kernels import host, host_routed, routing
     from vllm_moe_w8.neuron_glue import experts
 
+    tokens = T_DECODE
     if fault == "value_read_in_affinities":
+        assert host_routed.schedule_for(T_DENSE) == "dense"
         monkeypatch.setattr(host, "dense_affinities", _old_dense_affinities)
+        tokens = T_DENSE
+    elif fault == "value_read_in_block_metadata":
+        assert host_routed.schedule_for(T_DECODE) == "selective"
+        monkeypatch.setattr(routing, "block_schedule", _checked_block_schedule(routing.block_schedule))
     else:
         monkeypatch.setattr(experts._W8Routed, "w8_runner", staticmethod(_host_scheduled))
     path = st.write_family_checkpoint("qwen3_moe", tmp_path / "q3")
@@ -191,8 +219,10 @@ def test_fault_twins_a_forward_reading_routing_values_does_not_compile(glue, tmp
 
     def step(rank):
         state(rank)
-        return call(models[rank], "qwen3_moe", hidden(T_DECODE, 1), torch.arange(T_DECODE), True)
+        return call(models[rank], "qwen3_moe", hidden(tokens, 1), torch.arange(tokens), True)
 
     with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)) as info:  # graph break / data-dependent guard
         st.run_ranks(WORLD, step)
-    assert ("dense_affinities" in str(info.value)) if fault == "value_read_in_affinities" else ("grouping.py" in str(info.value))
+    where = {"value_read_in_affinities": "dense_affinities", "host_built_schedule": "grouping.py",
+             "value_read_in_block_metadata": "check_routing"}[fault]
+    assert where in str(info.value), str(info.value)[:2000]

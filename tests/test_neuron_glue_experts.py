@@ -118,10 +118,10 @@ T_LONG_PREFILL = 2 * (kernel_launch.DENSE_MAX_TOKENS + 2)  # above one 128-token
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp2", "ep2"])
-def test_long_prefill_runs_the_dense_kernel_in_128_token_chunks_and_matches_reference(glue, ckpt, tensors, monkeypatch, ep):
+def test_long_prefill_runs_the_block_kernel_and_matches_reference(glue, ckpt, tensors, monkeypatch, ep):
     """The experts module's kernel call is kernel_launch.run_routed_experts: a prefill above DENSE_MAX_TOKENS rows
-    runs the dense kernel over 128-token chunks (trace-safe; until a device-scheduled prefill kernel replaces it)
-    at the configured LNC, and the layer still matches the reference."""
+    runs the block prefill kernel in one launch (T + 128 hidden rows, metadata on device) at the configured LNC,
+    and the layer still matches the reference."""
     world = 2
     state, models = load_rank_models(ckpt, glue, world, ep)
     hidden_rows = []
@@ -139,7 +139,7 @@ def test_long_prefill_runs_the_dense_kernel_in_128_token_chunks_and_matches_refe
         return block(hidden.chunk(world)[rank], positions=positions, is_decode=False, rank=None)
 
     outs = st.run_ranks(world, step)
-    assert sorted(hidden_rows) == sorted([("moe_w8_pow2", 2, rows) for rows in (128, 128, 16)] * world), hidden_rows
+    assert sorted(hidden_rows) == [("moe_w8_blocks_pow2", 2, T_LONG_PREFILL + 128)] * world, hidden_rows
     for rank, out in enumerate(outs):
         assert st.rel_err(out, want.chunk(world)[rank]) <= REL_TOL, f"rank {rank}"
 

@@ -40,21 +40,28 @@ def test_without_a_device_the_interpreter_runs_and_the_log_says_so(fresh_backend
     assert "NKI interpreter" in caplog.text
 
 
-@pytest.mark.parametrize("tokens,lnc", [(1, 1), (77, 2), (128, 2)])
-def test_dense_path_matches_the_reference(small_layer, tokens, lnc):
+@pytest.mark.parametrize("tokens,lnc,kernel", [(1, 1, "selective"), (77, 2, "dense"), (128, 2, "dense"), (200, 2, "blocks")])
+def test_served_path_matches_the_reference(small_layer, tokens, lnc, kernel):
     layer, _ = small_layer
-    r = kernel_check.run_case("dense", None, "pow2", tokens, top_k=3, lnc=lnc, seed=tokens, layer=layer)
-    assert r.kernel == "dense" and r.passed, f"{r.err_over_bound:.3f} x bound"
+    r = kernel_check.run_case("served", None, "pow2", tokens, top_k=3, lnc=lnc, seed=tokens, layer=layer)
+    assert r.kernel == kernel and r.passed, f"{r.kernel}: {r.err_over_bound:.3f} x bound"
     assert r.modelled_s is not None and r.modelled_s > 0
 
 
 def test_kernel_choice_follows_the_token_count():
+    from vllm_moe_w8.kernels import host_routed
+
+    limit = host_routed.SELECTIVE_MAX_TOKENS
+    assert kernel_launch.kernel_for(1, "pow2") == ("selective", host_routed.BLOCKS["pow2"])
+    assert kernel_launch.kernel_for(limit, "output-block") == ("selective", host_routed.BLOCKS["output-block"])
+    assert kernel_launch.kernel_for(limit + 1, "pow2") == ("dense", kernel_launch.DENSE["pow2"])
     assert kernel_launch.kernel_for(kernel_launch.DENSE_MAX_TOKENS, "pow2")[0] == "dense"
-    assert kernel_launch.kernel_for(kernel_launch.DENSE_MAX_TOKENS + 1, "output-block")[0] == "dense-chunked"
+    assert kernel_launch.kernel_for(kernel_launch.DENSE_MAX_TOKENS + 1, "output-block") == (
+        "blocks", host_routed.BLOCKS["output-block"])
 
 
-def test_prefill_runs_the_dense_kernel_over_128_token_chunks(small_layer, monkeypatch):
-    """300 tokens: launches on 128, 128 and the 44 left padded to their bucket (64), each [lnc, bucket, H]."""
+def test_prefill_runs_the_block_kernel_in_one_launch(small_layer, monkeypatch):
+    """300 tokens: one launch of the block prefill kernel on the tokens plus 128 zero rows, [lnc, T + 128, H]."""
     layer, kw = small_layer
     shapes = []
     real = kernel_launch.launch
@@ -68,7 +75,7 @@ def test_prefill_runs_the_dense_kernel_over_128_token_chunks(small_layer, monkey
     x = torch.randn(300, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     tw, ti = kernel_check.routing(300, 4, 2, seed=3)
     out = kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2)
-    assert shapes == [("moe_w8_pow2", (b, 256), (2, b, 256)) for b in (128, 128, 64)]
+    assert shapes == [("moe_w8_blocks_pow2", (300 + 128, 256), (2, 300 + 128, 256))]
     ref = kernel_check.reference_moe(x, tw, ti, *layer[:4], *layer[4], "e4m3")
     assert kernel_check.within_bound(out, ref, kernel_check.error_bound(x, tw, ti, *layer))[0]
 
@@ -103,8 +110,8 @@ def test_the_interpreter_launch_op_schema_is_inferred_on_every_host():
 
 @pytest.mark.parametrize("tokens", [9, 140])
 def test_compiled_launch_path_is_one_graph_with_opaque_launches_and_matches_eager(small_layer, tokens):
-    """run_routed_experts under torch.compile(fullgraph=True, dynamic=False): one graph, each launch one
-    moe_w8::nki_interpreted node whose fake gives [lnc, bucket, H]; the result equals the eager call exactly."""
+    """run_routed_experts under torch.compile(fullgraph=True, dynamic=False): one graph, one launch (a
+    moe_w8::nki_interpreted node whose fake gives the kernel's output shape); the result equals the eager call exactly."""
     _, kw = small_layer
     graphs = []
 
@@ -120,7 +127,8 @@ def test_compiled_launch_path_is_one_graph_with_opaque_launches_and_matches_eage
     got = fn(x, tw, ti)
     op = torch.ops.moe_w8.nki_interpreted
     launches = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
-    assert len(graphs) == 1 and len(launches) == -(-tokens // 128)
+    assert len(graphs) == 1 and len(launches) == 1
+    assert launches[0].args[0] == kernel_launch.kernel_for(tokens, kw.mode)[1].__name__
     assert torch.equal(got, kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2))
 
 
@@ -178,7 +186,7 @@ def test_stand_in_neuron_host_launches_through_wrap_nki_with_the_lnc(fresh_backe
     x = torch.randn(140, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     tw, ti = kernel_check.routing(140, 4, 2, seed=2)
     out = kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2)
-    assert calls == [("moe_w8_pow2", 2)] * 2  # 140 tokens: two 128-token chunks of the dense kernel
+    assert calls == [("moe_w8_blocks_pow2", 2)]  # 140 tokens: one launch of the block prefill kernel
     ref = kernel_check.reference_moe(x, tw, ti, *layer[:4], *layer[4], "e4m3")
     assert kernel_check.within_bound(out, ref, kernel_check.error_bound(x, tw, ti, *layer))[0]
 

@@ -227,11 +227,33 @@ def test_traced_subset_is_enforced(construct, match):
 
 def test_the_project_kernels_pass_the_subset_check():
     from vllm_moe_w8.kernels.moe_w8 import moe_w8_output_block, moe_w8_pow2
+    from vllm_moe_w8.kernels.moe_w8_blocks import moe_w8_blocks_output_block, moe_w8_blocks_pow2
     from vllm_moe_w8.kernels.moe_w8_grouped import moe_w8_grouped_output_block, moe_w8_grouped_pow2
     from vllm_moe_w8.kernels.nki_cpu.subset import check_traced_subset
 
-    for kernel in (moe_w8_pow2, moe_w8_output_block, moe_w8_grouped_pow2, moe_w8_grouped_output_block):
+    for kernel in (moe_w8_pow2, moe_w8_output_block, moe_w8_grouped_pow2, moe_w8_grouped_output_block,
+                   moe_w8_blocks_pow2, moe_w8_blocks_output_block):
         check_traced_subset(kernel.fn)  # raises on the first construct outside the subset
+
+
+def _sibling_helper():
+    return (lambda: 0)()
+
+
+def _kernel_calling_sibling():
+    _sibling_helper()
+
+
+def test_the_subset_check_follows_helpers_of_sibling_kernel_modules(monkeypatch):
+    """A helper imported from another module of the kernels package (kernels/projections.py) is traced too."""
+    from vllm_moe_w8.kernels.nki_cpu.subset import check_traced_subset
+
+    monkeypatch.setattr(_kernel_calling_sibling, "__module__", "vllm_moe_w8.kernels.moe_w8_blocks")
+    monkeypatch.setattr(_sibling_helper, "__module__", "vllm_moe_w8.kernels.nki_api")
+    check_traced_subset(_kernel_calling_sibling)  # the NKI binding and other packages are not traced helpers
+    monkeypatch.setattr(_sibling_helper, "__module__", "vllm_moe_w8.kernels.projections")
+    with pytest.raises(NkiValidationError, match="_sibling_helper .*called from kernel.* uses a lambda"):
+        check_traced_subset(_kernel_calling_sibling)
 
 
 def test_tensor_tensor_and_activation_refuse_operators_of_the_other_kind():

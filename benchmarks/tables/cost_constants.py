@@ -11,7 +11,8 @@ UNITS = {"dma_bytes_per_s": ("GB/s", 1e-9), "dma_fixed_s": ("µs per DMA", 1e6),
          "matmul_fixed_cycles": ("cycles per matmul", 1.0), "instruction_overhead_cycles": ("cycles, minimum per instruction", 1.0),
          "launch_s": ("ms per eager call", 1e3), "matmul_min_cycles": ("cycles, minimum per matmul", 1.0),
          "vector_two_input_factor": ("cycles per element, VectorE tensor_tensor", 1.0),
-         "parallel_vector_scalar": ("", None)}
+         "parallel_vector_scalar": ("", None), "indirect_descriptor_s": ("µs per extra indexed row", 1e6),
+         "register_load_s": ("µs per register load", 1e6), "dynamic_iteration_s": ("µs per dynamic-loop iteration", 1e6)}
 DOC_UNITS = {"B/s": ("GB/s", 1e-9), "Hz": ("GHz", 1e-9), "B": ("B", 1.0)}
 
 

@@ -1,5 +1,5 @@
-"""README table: prefill on one Qwen3.5-35B-A3B EP=8 rank, dense vs token-grouped kernel, as the cost model
-prices the interpreter's counts (``benchmarks/bench_grouped_prefill.py`` -> ``grouped_prefill.json``)."""
+"""README table: prefill on one Qwen3.5-35B-A3B EP=8 rank, dense vs token-grouped vs block-scheduled kernel, as the
+cost model prices the interpreter's counts in both scenarios (``benchmarks/bench_grouped_prefill.py`` -> ``grouped_prefill.json``)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,37 @@ from pathlib import Path
 from benchmarks.readme_tables import markdown_table
 
 
+def _both(r: dict, names: list) -> str:
+    """'fitted / documented ms (bounds)' of one row."""
+    times = " / ".join(f"{r[f'{n}_ms']:.2f}" for n in names)
+    bounds = " / ".join(r[f"{n}_bound"] for n in names)
+    return f"{times} ms ({bounds})"
+
+
 def render(results_dir: Path) -> str:
     data = json.loads((results_dir / "grouped_prefill.json").read_text())
-    rows = data["rows"]
+    rows, names = data["rows"], data["scenarios"]
     out = []
     for g in (r for r in rows if r["kernel"] == "grouped"):
-        d = next(r for r in rows if r["kernel"] == "dense" and (r["mode"], r["T"], r["LNC"]) == (g["mode"], g["T"], g["LNC"]))
+        key = (g["mode"], g["T"], g["LNC"])
+        d = next(r for r in rows if r["kernel"] == "dense" and (r["mode"], r["T"], r["LNC"]) == key)
+        b = next(r for r in rows if r["kernel"] == "blocks" and (r["mode"], r["T"], r["LNC"]) == key)
         out.append([
-            f"{g['T']:,}", g["mode"], g["LNC"],
-            f"{d['model_ms']:.2f} ms ({d['bound']})", f"{d['calls']} x 256", f"{d['hbm_MB']:.0f}",
-            f"{g['model_ms']:.2f} ms ({g['bound']})", f"{g['tiles']} ({g['routed_rows']:,} rows)", f"{g['hbm_MB']:.0f}",
-            f"{d['model_ms'] / g['model_ms']:.1f}x",
+            f"{g['T']:,}", g["mode"], g["LNC"], _both(d, names), f"{d['calls']} x 256", _both(g, names),
+            f"{g['tiles']} ({g['routed_rows']:,} rows)", _both(b, names), f"{b['tiles']} of {b['capacity_blocks']}",
+            f"{d['hbm_MB']:.0f} / {g['hbm_MB']:.0f} / {b['hbm_MB']:.0f}",
+            " / ".join(f"{b[f'grouped/this_{n}']:.2f}x" for n in names),
         ])
     shape = data["shape"]
     m = data["machine"]
+    label = " / ".join(names)
     table = markdown_table(
-        ["prefill tokens", "mode", "LNC", "dense: modelled", "dense calls", "dense HBM MB", "grouped: modelled",
-         "grouped tiles", "grouped HBM MB", "dense / grouped"], out)
+        ["prefill tokens", "mode", "LNC", f"dense: modelled ({label})", "dense calls", f"grouped: modelled ({label})",
+         "grouped tiles", f"blocks: modelled ({label})", "blocks used of capacity", "HBM MB dense / grouped / blocks",
+         f"grouped / blocks ({label})"], out)
     return (table + f"\nE_local {shape['E_local']} of {shape['E_total']}, H {shape['H']}, I {shape['I']}, top-{shape['top_k']}, "
-            "uniform routing; model outputs of `kernels/nki_cpu/cost.py` (per call the slowest LNC program), not "
-            f"measurements. Counted by the interpreter on {m['cpu_model']} (load {m['loadavg_1_5_15'][0]:.1f}); the dense "
-            "kernel's counts are one 256-token call times the number of calls.\n")
+            "uniform routing; model outputs of `kernels/nki_cpu/cost.py` in both cost scenarios (per call the slowest LNC "
+            "program; the pow2 dense and block kernels built with each scenario's engine schedule, "
+            f"`kernels/schedule.py`: {data['schedules']['pow2']}), not measurements. Counted by the interpreter on "
+            f"{m['cpu_model']} (load {m['loadavg_1_5_15'][0]:.1f}); the dense kernel's counts are one 256-token call times "
+            "the number of calls.\n")

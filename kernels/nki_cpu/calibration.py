@@ -66,6 +66,10 @@ class Constants:
     matmul_min_cycles: float = 0.0  # issue interval floor of a matmul/transpose (documented: 64)
     vector_two_input_factor: float = 1.0  # VectorE tensor_tensor cycles per free element (documented: 2)
     parallel_vector_scalar: bool = False  # VectorE and ScalarE as separate lanes (documented on v3) or one serial lane
+    # runtime-dependent features (cost_dynamic.py): assumed in both scenarios, device measurements to replace them
+    indirect_descriptor_s: float = 6.1960e-07 / 32  # GpSimd time per extra indexed row of a vector-offset DMA
+    register_load_s: float = 3.6641e-07  # serial: one register load (sequencer waits on a 4-byte read)
+    dynamic_iteration_s: float = 2e-6  # serial: one dynamic-loop iteration (exposed DMA latency + sync)
 
     def replace(self, **changes) -> "Constants":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -81,6 +85,11 @@ SOURCES = {
     "instruction_overhead_cycles": "AWS-ARCH: static instruction overhead of ~100 engine cycles (charged as each "
                                    "instruction's minimum)",
     "launch_s": "fitted: REF-CALL output-block B=128 (2.0 ms) minus the modelled kernel",
+    "indirect_descriptor_s": "assumed: 1/32 of the fitted per-DMA software-DGE time (dge_per_dma_s) per extra indexed "
+                             "row of a vector-offset DMA (AWS-V3-GUIDE: indirect DMA has only software DGE)",
+    "register_load_s": "assumed: one fitted DMA fixed cost (dma_fixed_s) per register load",
+    "dynamic_iteration_s": "assumed: exposed DMA latency per dynamic-loop iteration (2 x ~600 ns, AWS-V3-GUIDE) "
+                           "+ ~0.8 us sequencer synchronisation",
 }
 
 # What fit() returns (checked by tests/test_cost_model.py; regenerate with benchmarks/bench_cost_model.py).

@@ -22,6 +22,9 @@ beside the published figures they reproduce. The rules:
   they contradict the fit: a matmul costs ``max(N, 64)`` cycles (no fixed cost: background stationary load),
   VectorE and ScalarE are separate lanes (``time_s = max(dma, hbm, gpsimd, tensor, vector, scalar)``), and
   VectorE ``tensor_tensor`` costs 2 cycles per free element. ``estimate(stats, scenario)`` takes either.
+* **Dynamic features** (:mod:`.cost_dynamic`): extra software-DGE descriptors of vector-offset DMAs on GpSimd;
+  register loads and dynamic-loop iterations as a serial ``control_s`` added to the overlapped time
+  (``time_s = max(lanes) + control_s``); their constants are :class:`~.calibration.Constants` fields (assumed).
 * **Launch**: an eager call from PyTorch adds ``launch_s`` (host dispatch, not device time); a kernel inside a
   compiled graph pays none. ``call_s = time_s + launch_s``.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import calibration as cal
+from . import cost_dynamic
 from .machine import Stats
 
 # Backward-compatible names (the figures behind them are in calibration.py).
@@ -56,6 +60,7 @@ class Estimate:
     dge_s: float = 0.0  # part of gpsimd_s: descriptor generation for the DMAs
     launch_s: float = 0.0  # eager launch overhead (host), not part of time_s
     dma_count: int = 0
+    control_s: float = 0.0  # serial: register loads + dynamic-loop iterations (cost_dynamic.py)
     parallel_vector_scalar: bool = False  # the scenario's rule: VectorE and ScalarE as separate lanes
     scenario: str = "fitted"
 
@@ -76,8 +81,8 @@ class Estimate:
 
     @property
     def time_s(self) -> float:
-        """Modelled device time of the kernel."""
-        return max(self.lanes.values())
+        """Modelled device time of the kernel (concurrent lanes, then the serial control term)."""
+        return max(self.lanes.values()) + self.control_s
 
     @property
     def call_s(self) -> float:
@@ -153,7 +158,7 @@ def estimate(stats: Stats, c: "cal.Constants | cal.Scenario" = cal.FITTED) -> Es
     """Modelled NeuronCore-v3 time of one kernel run under a scenario (see the module docstring for the rules)."""
     name = c.name if isinstance(c, cal.Scenario) else "custom"
     c = constants_of(c)
-    dge = stats.dma_count * c.dge_per_dma_s
+    dge = stats.dma_count * c.dge_per_dma_s + cost_dynamic.descriptor_seconds(stats, c)
     return Estimate(
         hbm_s=hbm_seconds(stats),
         tensor_s=tensor_cycles(stats, c) / TENSOR_HZ,
@@ -164,6 +169,7 @@ def estimate(stats: Stats, c: "cal.Constants | cal.Scenario" = cal.FITTED) -> Es
         dge_s=dge,
         launch_s=c.launch_s,
         dma_count=stats.dma_count,
+        control_s=cost_dynamic.control_seconds(stats, c),
         parallel_vector_scalar=c.parallel_vector_scalar,
         scenario=name,
     )

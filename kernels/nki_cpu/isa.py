@@ -12,6 +12,7 @@ import torch
 
 from . import dtypes as dt
 from . import language as nl
+from .dynamic import AccessPattern, count_indirect, dma_compute, gather, register_alloc, register_load, register_move, scatter  # noqa: F401
 from .machine import PMAX, PSUM_BANK_BYTES, NkiValidationError, Tensor, current, hbm_run_bytes, read, write
 
 
@@ -85,6 +86,8 @@ def dma_copy(dst: Tensor, src: Tensor, dst_rmw_op=None, oob_mode=None, dge_mode=
     bytes with ``.view(dtype)``; DMA does not convert. Read-modify-write, out-of-bounds and DGE modes are
     not modelled (refused when set)."""
     _not_implemented("dma_copy", dst_rmw_op=dst_rmw_op, oob_mode=oob_mode, dge_mode=dge_mode)
+    if isinstance(src, AccessPattern) or isinstance(dst, AccessPattern):
+        return _dma_pattern(dst, src)
     for t, what in ((dst, "dma_copy dst"), (src, "dma_copy src")):
         if not isinstance(t, Tensor):
             raise NkiValidationError(f"{what} must be an NKI tensor")
@@ -109,6 +112,35 @@ def dma_copy(dst: Tensor, src: Tensor, dst_rmw_op=None, oob_mode=None, dge_mode=
     if dst.buffer == "hbm":
         stats.hbm_write_bytes += nbytes
         stats.dma_runs[hbm_run_bytes(dst)] += nbytes
+
+
+def _dma_pattern(dst, src) -> None:
+    """dma_copy with an explicit (possibly indirect) access pattern on its HBM side (dynamic.py)."""
+    for t, what in ((dst, "dma_copy dst"), (src, "dma_copy src")):
+        if not isinstance(t, (Tensor, AccessPattern)):
+            raise NkiValidationError(f"{what} must be an NKI tensor or access pattern")
+        if isinstance(t, Tensor) and t.buffer != "sbuf":
+            raise NkiValidationError(f"{what} {t.name!r} is in {t.buffer}: an access-pattern DMA moves between HBM (.ap) and SBUF")
+    if isinstance(src, AccessPattern) == isinstance(dst, AccessPattern):
+        raise NkiValidationError("dma_copy: exactly one side may be an HBM access pattern, the other an SBUF tile")
+    if dst.dtype is not src.dtype:
+        raise NkiValidationError(f"dma_copy dtype mismatch: src {src.name!r} is {src.dtype}, dst {dst.name!r} is {dst.dtype}")
+    if tuple(dst.shape) != tuple(src.shape):
+        raise NkiValidationError(f"dma_copy: shapes differ, {dst.name!r} {tuple(dst.shape)} vs {src.name!r} {tuple(src.shape)}")
+    nbytes = int(np.prod(src.shape)) * src.dtype.itemsize
+    if isinstance(src, AccessPattern):
+        values, written = gather(src)
+        if not written.all():
+            raise NkiValidationError(f"dma_copy src reads never-written elements of {src.name!r} through its access pattern")
+        dst.data[...] = values
+        dst.written[...] = True
+        count_indirect(src, nbytes, read_side=True)
+    else:
+        if not src.written.all():
+            read(src, "dma_copy src")
+        scatter(dst, src.data)
+        count_indirect(dst, nbytes, read_side=False)
+    current().stats.dma_count += 1
 
 
 # --- TensorE ----------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import machine
+from .dynamic import dynamic_range  # noqa: F401  (nl.dynamic_range)
 from .dtypes import (  # noqa: F401  (re-exported as nl.<dtype>)
     bfloat16,
     float8_e4m3,

@@ -44,6 +44,11 @@ class Stats:
     engine_ops: Counter = field(default_factory=Counter)  # (engine, op, partitions, free elems) -> count
     peak_sbuf_bytes: int = 0  # per partition
     peak_psum_banks: int = 0
+    # runtime-dependent features (dynamic.py; priced by cost_dynamic.py)
+    indirect_dmas: Counter = field(default_factory=Counter)  # (scalar | vector, descriptors) -> DMAs
+    register_loads: int = 0
+    dynamic_loops: int = 0
+    dynamic_iterations: int = 0
 
     @property
     def matmul_count(self) -> int:
@@ -117,7 +122,8 @@ def current() -> Machine:
 
 
 class Tensor:
-    """An NKI tensor: a view of HBM or of an on-chip tile (``.view(dtype)`` reinterprets bytes)."""
+    """An NKI tensor: a view of HBM or of an on-chip tile (``.view(dtype)`` reinterprets bytes; ``.ap(...)``, the
+    explicit / indirect access pattern, is installed by :mod:`.dynamic`, which builds on this module)."""
 
     __slots__ = ("data", "written", "mm_init", "dtype", "buffer", "alloc", "name")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 
 import numpy as np
 import torch
@@ -107,7 +108,11 @@ def launch(kernel, grid, *args, lnc: int | None = None, **kwargs) -> tuple[objec
     shared: list = []
     results, stats = [], []
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # thousands of small GEMMs: threading costs more than it gains
+    # thousands of small GEMMs: threading costs more than it gains. The thread count is process-wide state that
+    # torch.compile guards on (GLOBAL_STATE): changed only when no other Python thread can be tracing meanwhile
+    # (the compile tests run ranks as threads; a change seen mid-trace is a spurious recompile).
+    if threading.active_count() == 1:
+        torch.set_num_threads(1)
     try:
         for pid in range(n):
             m = Machine(pid, n, shared)

@@ -9,6 +9,8 @@ kernel function and in every function of the same module it calls by name (helpe
 * ``raise`` statements,
 * dictionaries: ``dict(...)``, ``{...}`` literals and dict comprehensions,
 * ``try`` blocks (exceptions do not exist in the traced program).
+
+Helpers imported from a sibling module of the kernel's package (e.g. ``kernels/projections.py``) are traced too.
 """
 
 from __future__ import annotations
@@ -49,14 +51,23 @@ def _violation(node: ast.AST) -> str | None:
     return None
 
 
+def _traced_with(target: types.FunctionType, fn: types.FunctionType) -> bool:
+    """A helper is traced with the kernel when it lives in the kernel's module or in a sibling kernel module of
+    the same package (shared projection helpers), not in the interpreter or the NKI binding."""
+    if target.__module__ == fn.__module__:
+        return True
+    package = fn.__module__.rpartition(".")[0]
+    return bool(package) and target.__module__.rpartition(".")[0] == package and not target.__module__.endswith("nki_api")
+
+
 def _called_helpers(tree: ast.AST, fn: types.FunctionType) -> list[types.FunctionType]:
-    """Plain functions of ``fn``'s own module that ``fn`` calls by a bare name (traced with it)."""
+    """Plain functions of ``fn``'s module or a sibling kernel module that ``fn`` calls by a bare name (traced with it)."""
     helpers = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             target = fn.__globals__.get(node.func.id)
             target = getattr(target, "fn", target)  # a @jit Kernel called from another kernel
-            if isinstance(target, types.FunctionType) and target.__module__ == fn.__module__:
+            if isinstance(target, types.FunctionType) and _traced_with(target, fn):
                 helpers.append(target)
     return helpers
 

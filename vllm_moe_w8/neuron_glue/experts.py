@@ -18,7 +18,7 @@ Global expert ids become local ids of this EP rank (linear placement); other ran
 
 The kernel call is ``_W8Routed.w8_runner`` (signature ``(x, topk_weights, topk_ids, kw, *, lnc, swiglu_limit,
 where)``), by default :func:`run_kernels`: :func:`vllm_moe_w8.neuron_glue.kernel_launch.run_routed_experts`, the one
-launch path of the NKI kernels (``wrap_nki(kernel)[lnc]``; decode one bucket, prefill 128-token chunks). On a
+launch path of the NKI kernels (``wrap_nki(kernel)[lnc]``; selective / dense decode, block prefill: one launch per call). On a
 Neuron device it launches them with vllm-neuron's ``wrap_nki`` (anything missing is an error, never a CPU
 fallback); elsewhere the same calls run in the project's NKI interpreter and the log says so.
 

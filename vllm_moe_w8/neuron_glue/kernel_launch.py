@@ -12,10 +12,17 @@ Every launch is ``wrap_nki(kernel)[lnc](*tensors, **constants)``, as vllm-neuron
 the callers are made once (:func:`backend`, resolved when a block is adopted, never in a forward), the
 tensors are built by torch ops on the input's device, and the constants do not depend on the data (no
 recompile per routing). :func:`run_routed_experts` is trace-safe under ``torch.compile(fullgraph=True,
-dynamic=False)``: decode (T <= 128) is one launch on the padded bucket; prefill runs the same dense kernel
-over 128-token chunks (exact, trace-safe, every local expert per chunk: slower than a routed schedule, until
-the device-scheduled prefill kernel of the kernels issue replaces it). A new kernel joins :data:`KERNELS`
+dynamic=False)``: every call is one launch, chosen by ``host_routed.schedule_for(T)`` (kernels/host_routed.py
+holds the block kernels' launch contract): selective decode (the block kernel, one block per routed local
+expert, T padded to its decode bucket) up to ``SELECTIVE_MAX_TOKENS``, the dense all-expert kernel up to 128
+tokens, block prefill (the block kernel with 128-row blocks over the whole T) beyond; the block kernels' metadata
+are made by ``kernels/routing.py``'s torch ops inside the traced forward. A new kernel joins :data:`KERNELS`
 with its output contract and :func:`backend` makes its caller.
+
+    moe_w8_blocks_pow2 /        hidden [T + B, H] bf16, the four weight tensors, token_position_to_id [N, B] i32,
+    moe_w8_blocks_output_block  position_weight [N, B] f32, block_to_expert / block_new_expert [N, 1] i32,
+                                block_range [lnc, 2] i32; constants swiglu_limit (+ vector_blocks for pow2);
+                                output [lnc, T + B, H] fp32 (routing.combine)
 
 Where the kernels run:
 
@@ -40,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_moe_w8.kernels import grouping, host
+from vllm_moe_w8.kernels import grouping, host, host_routed, routing
 from vllm_moe_w8.kernels.moe_w8 import moe_w8_output_block, moe_w8_pow2
 from vllm_moe_w8.kernels.moe_w8_grouped import moe_w8_grouped_output_block, moe_w8_grouped_pow2
 
@@ -82,6 +89,7 @@ def _grouped_output(tensors, grid: int):
 # on Neuron, vllm-neuron's wrap_nki compiles the kernel for its shapes).
 KERNELS = {k.__name__: (k, _dense_output) for k in DENSE.values()}
 KERNELS.update({k.__name__: (k, _grouped_output) for k in GROUPED.values()})
+KERNELS.update({k.__name__: (k, _dense_output) for k in host_routed.BLOCKS.values()})  # [lnc, T + B, H] fp32
 
 
 def _callers(wrap) -> dict:
@@ -226,33 +234,49 @@ def _check(x, topk_weights, topk_ids, kw: host.KernelWeights, lnc: int, swiglu_l
 
 
 def kernel_for(tokens: int, mode: str) -> tuple[str, object]:
-    """('dense' | 'dense-chunked', kernel): how :func:`run_routed_experts` runs ``tokens`` tokens."""
-    return ("dense" if tokens <= DENSE_MAX_TOKENS else "dense-chunked"), DENSE[mode]
+    """('selective' | 'dense' | 'blocks', kernel): how :func:`run_routed_experts` runs ``tokens`` tokens
+    (``host_routed.schedule_for``)."""
+    which = host_routed.schedule_for(tokens)
+    return which, (DENSE[mode] if which == "dense" else host_routed.BLOCKS[mode])
+
+
+def _pad_routing(x, topk_weights, topk_ids, rows: int):
+    """Tokens and routing padded to ``rows`` (padded tokens: zero rows, weight 0, id -1: no route)."""
+    pad = rows - x.shape[0]
+    if pad == 0:
+        return x, topk_weights, topk_ids
+    return (host.pad_rows(x, rows), host.pad_rows(topk_weights, rows),
+            torch.cat([topk_ids, topk_ids.new_full((pad, topk_ids.shape[1]), -1)]))
 
 
 def run_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights, *,
                        lnc: int, swiglu_limit: float = 0.0, stats: list | None = None,
                        where: Backend | None = None) -> torch.Tensor:
-    """The routed sum [T, H] fp32 (DEVELOPING.md, "The MoE op", semantics) computed by the dense NKI kernel,
-    trace-safe (see the module docstring). ``where``: the backend resolved beforehand (required under trace)."""
+    """The routed sum [T, H] fp32 (DEVELOPING.md, "The MoE op", semantics), trace-safe (see the module docstring):
+    ``host_routed.schedule_for(T)`` picks the selective decode kernel (T padded to its decode bucket), the dense
+    all-expert kernel (one decode bucket) or the block prefill kernel (the whole T in one launch); the block
+    kernels' metadata come from ``kernels/routing.py``'s torch ops inside the traced forward. ``where``: the
+    backend resolved beforehand (required under trace)."""
     _check(x, topk_weights, topk_ids, kw, lnc, swiglu_limit)
     tokens = x.shape[0]
     if tokens == 0:
         return x.new_zeros((0, kw.hidden_size), dtype=torch.float32)
-    weights = (kw.w13, kw.w13_scales, kw.w2, kw.w2_scales)
     limit = float(swiglu_limit)
-    kernel = DENSE[kw.mode]
-    aff = host.dense_affinities(topk_weights, topk_ids, kw.num_experts)
-    outs = []
-    for start in range(0, tokens, DENSE_MAX_TOKENS):
-        stop = min(tokens, start + DENSE_MAX_TOKENS)
-        bucket = host.bucket_for(stop - start)
-        hidden = host.pad_rows(x[start:stop].to(torch.bfloat16), bucket)
-        aff_chunk = host.pad_rows(aff[start:stop], bucket)  # padded tokens have zero affinity: they add nothing
-        host.check_kernel_args(hidden, *weights, aff_chunk, mode=kw.mode, swiglu_limit=limit)
-        partial = launch(kernel, lnc, (hidden,) + weights + (aff_chunk,), {"swiglu_limit": limit}, stats, where)
-        outs.append(partial.float().sum(dim=0)[: stop - start])  # one partial sum per program (logical core)
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    which, kernel = kernel_for(tokens, kw.mode)
+    if which == "dense":
+        weights = (kw.w13, kw.w13_scales, kw.w2, kw.w2_scales)
+        bucket = host.bucket_for(tokens)
+        hidden = host.pad_rows(x.to(torch.bfloat16), bucket)
+        aff = host.pad_rows(host.dense_affinities(topk_weights, topk_ids, kw.num_experts), bucket)  # padded: 0
+        host.check_kernel_args(hidden, *weights, aff, mode=kw.mode, swiglu_limit=limit)
+        partial = launch(kernel, lnc, (hidden,) + weights + (aff,), {"swiglu_limit": limit}, stats, where)
+        return partial.float().sum(dim=0)[:tokens]  # one partial sum per program (logical core)
+    rows = host.bucket_for(tokens) if which == "selective" else tokens
+    xp, wp, ip = _pad_routing(x, topk_weights, topk_ids, rows)
+    kernel, tensors, consts = host_routed.block_call(xp, wp, ip, kw, lnc, limit)
+    host_routed.check_block_args(tensors, consts, kw.mode, lnc, rows, topk_ids.shape[1])
+    out = launch(kernel, lnc, tensors, consts, stats, where)
+    return routing.combine(out.float(), rows)[:tokens]
 
 
 def run_grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights, *,

@@ -3,8 +3,8 @@
 1. Inventory: versions of vllm, vllm-neuron, nki, libtorch-neuronx-lite / torch-neuronx; vllm-neuron's
    model runner (generation); the registry entries neuron-w8 wraps (``neuron_glue.interfaces.TARGETS``, each
    wrapped / present / missing) and the models it leaves alone; the platform's quantization list; the LNC; where the kernels run.
-2. Kernels: one MoE layer per case (decode pow2 and output-block, prefill over 128-token chunks pow2 and
-   output-block, and decode pow2 on FP8 subnormal codes) through ``kernel_launch.run_routed_experts`` compiled
+2. Kernels: one MoE layer per case (selective decode pow2 and output-block, dense all-expert decode pow2, block
+   prefill pow2 and output-block, and selective decode pow2 on FP8 subnormal codes) through ``kernel_launch.run_routed_experts`` compiled
    as vllm-neuron's runner compiles the model (``torch.compile(fullgraph=True, dynamic=False)``; on a Neuron host
    with vllm-neuron's compile backend, else "eager") - wrap_nki on a Neuron host, the interpreter elsewhere -
    against the fp32 reference, with the error, the gate (``kernel_check``), the cost model's per-call time and
@@ -36,11 +36,12 @@ RUNNERS = {
 # Qwen3.5-35B-A3B per-rank width under EP=8 (H 2048, I 512); fewer local experts off Neuron (interpreter time).
 LAYER = dict(hidden=2048, inter=512, experts_neuron=32, experts_cpu=4, top_k=8)
 CASES = (  # (name, mode, tokens, subnormal codes)
-    ("dense pow2 (decode)", "pow2", 8, False),
-    ("dense output-block (decode)", "output-block", 8, False),
-    ("dense pow2 (prefill, 128-token chunks)", "pow2", 256, False),
-    ("dense output-block (prefill, 128-token chunks)", "output-block", 256, False),
-    ("dense pow2, subnormal codes", "pow2", 8, True),
+    ("selective pow2 (decode)", "pow2", 8, False),
+    ("selective output-block (decode)", "output-block", 8, False),
+    ("dense pow2 (decode, all experts)", "pow2", 64, False),
+    ("block prefill pow2", "pow2", 256, False),
+    ("block prefill output-block", "output-block", 256, False),
+    ("selective pow2, subnormal codes", "pow2", 8, True),
 )
 EXIT_OK, EXIT_FAILED, EXIT_NOT_NEURON = 0, 1, 2
 

@@ -1,0 +1,46 @@
+"""README table: issue #20's goals for the device-scheduled kernels, per cost scenario, from the recorded JSON
+(``bench_nki_routed_decode.json``: decode T=1; ``grouped_prefill.json``: prefill 2k/8k, blocks vs grouped)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.readme_tables import markdown_table
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def render(results_dir: Path) -> str:
+    decode = json.loads((results_dir / "bench_nki_routed_decode.json").read_text())
+    prefill = json.loads((results_dir / "grouped_prefill.json").read_text())
+    names, goal = decode["scenarios"], decode["goal"]
+    out = []
+    t1 = [r for r in decode["rows"] if r["T"] == 1]
+    for shape in decode["shapes"]:
+        for mode in ("pow2", "output-block"):
+            rs = [r for r in t1 if r["shape"] == shape and r["mode"] == mode]
+            worst_bytes = max(r["selective_read/routed"] for r in rs)
+            out.append([f"decode T=1, {shape}, {mode}", f"bytes read <= {goal:g}x the routed experts'"]
+                       + [f"{worst_bytes:.2f}x ({_verdict(worst_bytes <= goal)})" for _n in names])
+            cells = []
+            for n in names:
+                worst = max(r[f"selective_{n}/routed_hbm"] for r in rs)
+                cells.append(f"{worst:.1f}x ({_verdict(worst <= goal)})")
+            out.append([f"decode T=1, {shape}, {mode}", f"modelled time <= {goal:g}x their HBM time"] + cells)
+    for tokens in sorted({r["T"] for r in prefill["rows"]}):
+        for mode in ("pow2", "output-block"):
+            rs = [r for r in prefill["rows"] if r["kernel"] == "blocks" and r["T"] == tokens and r["mode"] == mode]
+            if not rs:
+                continue
+            cells = []
+            for n in names:
+                worst = min(r[f"grouped/this_{n}"] for r in rs)
+                cells.append(f"{worst:.2f}x ({_verdict(worst >= 1.0)})")
+            out.append([f"prefill {tokens:,} tokens, {mode}", "no slower than the grouped kernel (grouped / blocks, worst LNC)"]
+                       + cells)
+    return (markdown_table(["case", "goal"] + [f"{n} scenario" for n in names], out)
+            + "\nWorst case over the recorded rows (T=1 routed to 1 or 2 local experts; prefill LNC 1 and 2); model "
+              "outputs of `kernels/nki_cpu/cost.py`, not measurements.\n")

@@ -1,0 +1,97 @@
+"""Host entry points of the device-scheduled routed-expert kernels (selective decode, block prefill).
+
+Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)[lnc](*tensors, **consts)``):
+
+* **device tensors** (positional, in this order; all made by traceable torch ops from the call's routing, on
+  the routing's device - :func:`block_call`):
+  ``hidden [T + B, H] bf16``, ``w13 [E, 128, H/128, 2I] uint8``, ``w13_scales [E, 2I/128, G13] f32``,
+  ``w2 [E, 128, I/128, H] uint8``, ``w2_scales [E, H/128, G2] f32`` (the resident ``host.KernelWeights``),
+  ``token_position_to_id [N, B] int32``, ``position_weight [N, B] f32``, ``block_to_expert [N, 1] int32``,
+  ``block_new_expert [N, 1] int32``, ``block_range [lnc, 2] int32`` (kernels/routing.py documents each).
+* **constants** (keyword, hashed into the compiled kernel; data-independent): ``swiglu_limit`` (float, the
+  model's); pow2 also ``vector_blocks`` (int, the engine schedule ``kernels/schedule.py`` read from the Neuron
+  calibration file at load, the dense kernel's). The kernel function (pow2 / output-block) follows ``kw.mode``.
+* sizes: ``B`` = :func:`block_rows` (T), ``N`` = ``routing.capacity_blocks(T, k, E, B)``: functions of the bucket
+  (T, top_k, E), never of the routing values. One compile per (mode, T bucket).
+* result ``[lnc, T + B, H] f32`` -> ``routing.combine(result, T)`` = the routed sum [T, H].
+
+Which schedule (:func:`schedule_for`): T <= ``SELECTIVE_MAX_TOKENS`` -> selective decode (B = the decode bucket,
+one block per routed local expert); up to 128 tokens beyond it -> the all-expert dense kernel (kernels/moe_w8.py,
+launched as today); larger T -> block prefill (B = 128; T padded by the caller to its length bucket).
+``SELECTIVE_MAX_TOKENS`` comes from the cost model, per scenario: ``benchmarks/bench_nki_kernels.py --routed`` prices
+both decode kernels per bucket (Qwen3.5-35B-A3B EP=8, GLM-5.3-Flash EP=32; results/bench_nki_routed_decode.json,
+``selective_cheaper_up_to_by_scenario``: the largest decode bucket up to which selective is cheaper at both shapes).
+With #21's dense dataflow the all-expert kernel wins from T = 64 (fitted) / T = 32 (documented) at Qwen3.5 width,
+where nearly every local expert is routed and the selective kernel's per-block overheads (dynamic-loop
+iterations, metadata DMAs, gathered rows) are not repaid. The scenario is the one the Neuron calibration file names
+(``kernels/schedule.py``, read once at load like the pow2 engine schedule; no file: fitted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import host, routing
+from .moe_w8 import POW2_SCHEDULE
+from .moe_w8_blocks import moe_w8_blocks_output_block, moe_w8_blocks_pow2
+
+P = 128
+# bench_nki_routed_decode.json: selective_cheaper_up_to_by_scenario (tests/test_nki_routing.py checks they agree)
+SELECTIVE_MAX_TOKENS_BY_SCENARIO = {"fitted": 32, "documented": 16}
+SELECTIVE_MAX_TOKENS = SELECTIVE_MAX_TOKENS_BY_SCENARIO[POW2_SCHEDULE.scenario]
+BLOCKS = {"pow2": moe_w8_blocks_pow2, "output-block": moe_w8_blocks_output_block}
+_DTYPES = {"hidden": "bfloat16", "token_position_to_id": "int32", "position_weight": "float32",
+           "block_to_expert": "int32", "block_new_expert": "int32", "block_range": "int32"}
+
+
+def schedule_for(tokens: int) -> str:
+    """'selective' | 'dense' | 'blocks' for a call of ``tokens`` tokens."""
+    if tokens <= SELECTIVE_MAX_TOKENS:
+        return "selective"
+    return "dense" if tokens <= P else "blocks"
+
+
+def block_rows(tokens: int) -> int:
+    """B: the decode bucket (host.bucket_for) for selective decode, 128 for prefill blocks."""
+    return host.bucket_for(tokens) if tokens <= SELECTIVE_MAX_TOKENS else P
+
+
+def block_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights,
+               programs: int, swiglu_limit: float = 0.0, block: int | None = None):
+    """(kernel, device tensors, constants) of one block-scheduled launch; traceable (no value read on the host).
+
+    ``x`` [T, H] is the call's (bucket-padded) tokens; padded tokens carry no route (ids -1)."""
+    tokens = x.shape[0]
+    b = block or block_rows(tokens)
+    sched = routing.block_schedule(topk_weights, topk_ids, kw.num_experts, b, programs)
+    tensors = (routing.padded_hidden(x, b), kw.w13, kw.w13_scales, kw.w2, kw.w2_scales) + sched.tensors()
+    consts = {"swiglu_limit": float(swiglu_limit)}
+    if kw.mode == "pow2":
+        consts["vector_blocks"] = POW2_SCHEDULE.vector_blocks
+    return BLOCKS[kw.mode], tensors, consts
+
+
+def check_block_args(tensors: tuple, consts: dict, mode: str, programs: int, tokens: int, top_k: int) -> None:
+    """The block kernels' launch contract (shapes, dtypes, scale grids), checked before every launch; static
+    properties only, so it is trace-safe. ValueError naming the tensor otherwise."""
+    hidden, w13, w13_scales, w2, w2_scales, t2i, pw, b2e, new, br = tensors
+    if len(hidden.shape) != 2:
+        raise ValueError(f"moe_w8 block kernel: hidden must be [T + B, H], got {tuple(hidden.shape)}")
+    e = host._check_expert_shapes(hidden.shape[1], w13, w2)
+    host._check_scale_grids(hidden.shape[1], w13, w13_scales, w2_scales, mode, consts.get("swiglu_limit", 0.0))
+    n, b = t2i.shape if len(t2i.shape) == 2 else (-1, -1)
+    if not 1 <= b <= P:
+        raise ValueError(f"moe_w8 block kernel: token_position_to_id {tuple(t2i.shape)} must be [N, B] with B <= 128")
+    want = {"hidden": (tokens + b, hidden.shape[1]), "token_position_to_id": (routing.capacity_blocks(tokens, top_k, e, b), b),
+            "position_weight": (n, b), "block_to_expert": (n, 1), "block_new_expert": (n, 1), "block_range": (programs, 2)}
+    for name, t in zip(_DTYPES, (hidden, t2i, pw, b2e, new, br)):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"moe_w8 block kernel: {name} has shape {tuple(t.shape)}; expected {want[name]} "
+                             f"(T={tokens}, top_k={top_k}, E={e}, B={b}; build it with routing.block_schedule)")
+        if host._dtype_name(t) != _DTYPES[name]:
+            raise ValueError(f"moe_w8 block kernel: {name} has dtype {t.dtype}; expected {_DTYPES[name]}")
+
+
+def specialisation(kernel, tensors: tuple, consts: dict) -> tuple:
+    """What a compile is keyed on: the kernel, every tensor's shape and dtype, the constants (wrap_nki hashes these)."""
+    return (kernel.__name__,) + tuple((tuple(t.shape), str(t.dtype)) for t in tensors) + tuple(sorted(consts.items()))

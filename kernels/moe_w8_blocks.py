@@ -1,0 +1,144 @@
+"""NKI kernels: routed experts scheduled on the device in blocks of B token rows (selective decode, block prefill).
+
+The schedule is data, not code: the routing metadata (:mod:`.routing`, device tensors made by traceable torch
+ops) say which hidden rows each block gathers, with which weights, through which local expert; the kernel
+walks the used blocks in a dynamic loop (``nl.dynamic_range`` over a register loaded from ``block_range``),
+keeps the block index in an SBUF tile, fetches the block's expert id by scalar-offset DMA, the expert's
+weights and scales by scalar-offset DMA (``.ap(scalar_offset=expert, indirect_dim=0)``), the block's token rows
+by vector-offset DMA, and adds each row's result into its token's output row with a DMA read-modify-write
+(``nisa.dma_compute``): the top-k contributions of a token are combined on the device. An expert's scales - and
+its codes when they fit SBUF (:func:`resident_weights`, a shape rule) - are loaded once per run of consecutive
+blocks of that expert (``block_new_expert``: a 0/1-trip dynamic loop), else the codes stream per block. Nothing in the kernel's
+Python constants or shapes depends on the routing: one compile per (T, B, N) bucket; work and weight bytes
+follow the used blocks.
+
+* B = the decode bucket (<= 128) and T <= the selective threshold: **selective decode** - one block per routed
+  local expert, so a T=1 call reads only its routed experts' weights and scales.
+* B = 128: **block prefill** - static capacity N = ceil((T*k - (E-1)) / 128) + E - 1 blocks.
+
+Arguments (checked on the host before every launch by ``host_routed.check_block_args``), P = 128:
+
+    hidden                [T + B, H]        bf16     the tokens, then B zero rows (routing.padded_hidden)
+    w13, w13_scales, w2, w2_scales                   the dense kernel's layout (host.to_kernel_layout)
+    token_position_to_id  [N, B]            int32    hidden row of each block row (padding: T + row)
+    position_weight       [N, B]            float32  routing weight of each block row (0 on padding)
+    block_to_expert       [N, 1]            int32    local expert of each block
+    block_new_expert      [N, 1]            int32    1 where the block's expert is not the previous block's
+    block_range           [n, 2]            int32    (first block, block count) of program p
+    swiglu_limit          float (trace-time constant): > 0 clamps gate <= limit and |up| <= limit
+    returns               [n, T + B, H]     float32  program p's partial sums (host: routing.combine)
+
+Launched as ``kernel[n]`` (n = LNC): program p = ``nl.program_id(0)`` computes blocks
+[first_p, first_p + count_p) and writes only its own output slab (no cross-core read-modify-write).
+"""
+
+from __future__ import annotations
+
+from .moe_w8 import POW2_SCHEDULE
+from .nki_api import nisa, nki, nl
+from .projections import (OUTPUT_BLOCK, POW2, broadcast_row, down_slab, expert_rows, gate_up_act, load_expert,
+                          transpose_rows)
+
+P = 128
+SLAB = 512
+RESIDENT_BYTES = 64 * 1024  # SBUF per partition an expert's codes may keep across its blocks (Qwen3.5-35B: 24 KiB)
+
+
+@nki.jit
+def moe_w8_blocks_pow2(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
+                       block_new_expert, block_range, swiglu_limit=0.0, vector_blocks=POW2_SCHEDULE.vector_blocks):
+    """Block-scheduled routed MoE with exact 128x128 block scales (pow2 repack). ``vector_blocks`` (trace-time
+    constant, the dense kernel's): of every ``schedule.BLOCK_PERIOD`` block scale-adds, how many run on VectorE."""
+    return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
+                   block_new_expert, block_range, POW2, float(swiglu_limit), int(vector_blocks))
+
+
+@nki.jit
+def moe_w8_blocks_output_block(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight,
+                               block_to_expert, block_new_expert, block_range, swiglu_limit=0.0):
+    """Block-scheduled routed MoE with one scale per 128 output rows (output-block repack)."""
+    return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
+                   block_new_expert, block_range, OUTPUT_BLOCK, float(swiglu_limit), 0)
+
+
+def resident_weights(hidden: int, inter: int) -> bool:
+    """Whether one expert's codes stay in SBUF across its blocks (a shape rule: (3 H I / 128) B per partition)."""
+    return 3 * hidden * inter // P <= RESIDENT_BYTES
+
+
+def _zero_output(out, pid, rows_total, hidden):
+    """Program pid's output slab := 0 (the read-modify-writes add into it)."""
+    zeros = nl.ndarray((P, hidden), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0.0)
+    for r0 in range(0, rows_total, P):
+        n = min(P, rows_total - r0)
+        nisa.dma_copy(dst=out[pid, r0:r0 + n, :], src=zeros[0:n, :])
+
+
+def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
+            block_new_expert, block_range, mode, limit, vector_blocks):
+    rows_total, h = hidden.shape
+    _n_blocks, b = token_position_to_id.shape
+    _e, _p, g_h, two_i = w13.shape
+    inter = two_i // 2
+    dims = (b, g_h, inter, inter // P, w13_scales.shape[2], w2_scales.shape[2], limit, vector_blocks)
+    programs = nl.num_programs(axes=0)
+    pid = nl.program_id(axis=0)
+    out = nl.ndarray((programs, rows_total, h), dtype=nl.float32, buffer=nl.shared_hbm)
+    _zero_output(out, pid, rows_total, h)
+    ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    # the current expert's scales (and, when they fit, its codes) persist across its blocks
+    sc13 = nl.ndarray((b, w13_scales.shape[1] * w13_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
+    sc2 = nl.ndarray((b, w2_scales.shape[1] * w2_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
+    res13 = None
+    res2 = None
+    if resident_weights(h, inter):
+        res13 = nl.ndarray((P, g_h, two_i), dtype=nl.uint8, buffer=nl.sbuf)
+        res2 = nl.ndarray((P, inter // P, h), dtype=nl.uint8, buffer=nl.sbuf)
+    block = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)  # the current block index (runtime)
+    nisa.dma_copy(dst=block, src=block_range[pid:pid + 1, 0:1])
+    count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=count, src=block_range[pid:pid + 1, 1:2])
+    count_reg = nisa.register_alloc()
+    nisa.register_load(count_reg, count)
+    for _ in nl.dynamic_range(count_reg):
+        expert = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=expert, src=block_to_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
+                                                         indirect_dim=0))
+        new = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=new, src=block_new_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
+                                                       indirect_dim=0))
+        new_reg = nisa.register_alloc()
+        nisa.register_load(new_reg, new)
+        for _ in nl.dynamic_range(new_reg):  # 0 or 1 trip: a new expert's scales (and resident codes)
+            broadcast_row(expert_rows(w13_scales, expert), b, ones, sc13)
+            broadcast_row(expert_rows(w2_scales, expert), b, ones, sc2)
+            if res13 is not None:
+                load_expert(w13, expert, res13)
+                load_expert(w2, expert, res2)
+        _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight, out,
+                   pid, dims, mode)
+        nisa.tensor_scalar(dst=block, data=block, op0=nl.add, operand0=1)
+    return out
+
+
+def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight, out, pid,
+               dims, mode):
+    b, g_h, _inter, g_i, _g13, _g2, _limit, _vector_blocks = dims
+    rows_total, h = hidden.shape
+    ids = nl.ndarray((b, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids, src=token_position_to_id.ap(pattern=[[1, b], [1, 1]], offset=0, scalar_offset=block, indirect_dim=0))
+    weight = nl.ndarray((b, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=weight, src=position_weight.ap(pattern=[[1, b], [1, 1]], offset=0, scalar_offset=block, indirect_dim=0))
+    x = nl.ndarray((b, h), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x, src=hidden.ap(pattern=[[h, b], [1, h]], offset=0, vector_offset=ids, indirect_dim=0))
+    h_t = transpose_rows(x, b, g_h, nl.bfloat16)
+    act, counter = gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, res13)
+    act_t = transpose_rows(act, b, g_i, nl.bfloat16)
+    y = nl.ndarray((b, h), dtype=nl.float32, buffer=nl.sbuf)  # the block's rows, added to their tokens in one DMA
+    for h0 in range(0, h, SLAB):
+        w = min(SLAB, h - h0)
+        _y, counter = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2, counter)
+    dst = out.ap(pattern=[[h, b], [1, h]], offset=pid * rows_total * h, vector_offset=ids, indirect_dim=1)
+    nisa.dma_compute(dst=dst, srcs=[dst, y], reduce_op=nl.add)

@@ -1,0 +1,128 @@
+"""Per-block projection helpers of the routed-expert kernels: one block of ``rows`` (<= 128) token rows through
+one expert whose index is a runtime value (a [1, 1] int32 SBUF tile), its weights and scales fetched by
+scalar-offset DMA (``.ap(scalar_offset=expert, indirect_dim=0)``). The selective decode and block prefill
+schedules (:mod:`.moe_w8_blocks`) call these; the dataflow per block is the dense kernel's (kernels/moe_w8.py):
+FP8 codes stream as 512-column slabs, viewed as ``nl.float8_e4m3``, moving operand against bf16 hidden^T
+(stationary), fp32 PSUM. pow2 runs the shared per-block step :func:`.block_scale.contract_pow2` (each 128x128
+partial scaled and added on VectorE or ScalarE + GpSimdE as ``kernels/schedule.py``'s ``vector_blocks`` says; the
+block's running count is the schedule index); output-block scales the PSUM accumulation once. ``dims`` is
+``(rows, gH, I, gI, G13, G2, swiglu_limit, vector_blocks)``. Traced kernel code: the subset of
+kernels/nki_cpu/subset.py.
+"""
+
+from __future__ import annotations
+
+from . import block_scale
+from .nki_api import nisa, nl
+
+P = 128
+SLAB = 512
+POW2 = "pow2"
+OUTPUT_BLOCK = "output-block"
+
+
+def expert_rows(table, expert):
+    """[1, n] fp32 in SBUF: row ``expert`` of an [E, a, b] HBM scale table (n = a*b), by scalar-offset DMA."""
+    n = table.shape[1] * table.shape[2]
+    row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row, src=table.ap(pattern=[[n, 1], [1, n]], offset=0, scalar_offset=expert, indirect_dim=0))
+    return row
+
+
+def broadcast_row(row, rows, ones, out=None):
+    """[1, n] fp32 SBUF -> [rows, n] fp32 SBUF (``out`` when given), every partition a copy (K=1 fp32 matmul: exact)."""
+    n = row.shape[1]
+    if out is None:
+        out = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.sbuf)
+    for c in range((n + SLAB - 1) // SLAB):
+        w = min(SLAB, n - c * SLAB)
+        ps = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps, stationary=ones[:, 0:rows], moving=row[:, c * SLAB:c * SLAB + w], accumulate=False)
+        nisa.tensor_copy(dst=out[:, c * SLAB:c * SLAB + w], src=ps)
+    return out
+
+
+def load_expert(weights, expert, out):
+    """out [P, G, C] uint8 SBUF := all of expert ``expert`` of an [E, P, G, C] HBM tensor (one scalar-offset DMA)."""
+    _e, p, g, cols = weights.shape
+    nisa.dma_copy(dst=out, src=weights.ap(pattern=[[g * cols, p], [cols, g], [1, cols]], offset=0, scalar_offset=expert,
+                                          indirect_dim=0))
+
+
+def weight_slab(weights, expert, col0, width, resident=None):
+    """[P, G, width] uint8 in SBUF: columns [col0, col0 + width) of expert ``expert`` of an [E, P, G, C] HBM tensor
+    (a slice of ``resident``, the expert already in SBUF, when given)."""
+    if resident is not None:
+        return resident[:, :, col0:col0 + width]
+    _e, p, g, cols = weights.shape
+    slab = nl.ndarray((p, g, width), dtype=nl.uint8, buffer=nl.sbuf)
+    pattern = [[g * cols, p], [cols, g], [1, width]]
+    nisa.dma_copy(dst=slab, src=weights.ap(pattern=pattern, offset=col0, scalar_offset=expert, indirect_dim=0))
+    return slab
+
+
+def scaled_contract(stationary, weights, n_k, scales, block0, groups, mode, rows, width, total=None, counter=0,
+                    vector_blocks=0):
+    """([rows, width] fp32 SBUF, counter): sum_k stationary[:, k, :].T @ weights[:, k, :], each 128-column block nb
+    scaled by ``scales[:, (block0 + nb) * groups + k]`` (pow2, per k partial: :func:`.block_scale.contract_pow2`,
+    the engines of ``vector_blocks``, ``counter`` the block's running pow2 block count, returned advanced) or
+    ``scales[:, block0 + nb]`` (output-block). ``total``: the [rows, width] fp32 SBUF tile to write (a new one when
+    None); written, not added to (the k = 0 partials write it)."""
+    codes = weights.view(nl.float8_e4m3)
+    if total is None:
+        total = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+    if mode == OUTPUT_BLOCK:
+        ps = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.psum)
+        for k in range(n_k):
+            nisa.nc_matmul(dst=ps, stationary=stationary[:, k, :], moving=codes[:, k, :], accumulate=(k > 0))
+        for nb in range(width // P):
+            c = block0 + nb
+            nisa.activation(dst=total[:, nb * P:(nb + 1) * P], op=nl.copy, data=ps[:, nb * P:(nb + 1) * P],
+                            scale=scales[:, c:c + 1])
+        return total, counter
+    counter = block_scale.contract_pow2(stationary, slice(0, rows), codes, n_k, scales, block0, groups, rows, width,
+                                        total, True, counter, vector_blocks)
+    return total, counter
+
+
+def transpose_rows(x, rows, blocks, dtype):
+    """[rows, blocks * P] SBUF -> [P, blocks, rows] SBUF (TensorE transposes through PSUM)."""
+    out = nl.ndarray((P, blocks, rows), dtype=dtype, buffer=nl.sbuf)
+    for k in range(blocks):
+        ps = nl.ndarray((P, rows), dtype=dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=ps, data=x[:, k * P:(k + 1) * P])
+        nisa.tensor_copy(dst=out[:, k, :], src=ps, engine=nisa.engine.scalar)
+    return out
+
+
+def gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, resident=None):
+    """(act [rows, I] bf16 = SiLU(gate) * weight * up for one block (gate/up scaled; GLM clamp when limit > 0),
+    the block's pow2 block count so far)."""
+    rows, g_h, inter, g_i, g13, _g2, limit, vector_blocks = dims
+    act = nl.ndarray((rows, inter), dtype=nl.bfloat16, buffer=nl.sbuf)
+    counter = 0
+    for c0 in range(0, inter, SLAB):
+        w = min(SLAB, inter - c0)
+        w_gate = weight_slab(w13, expert, c0, w, resident)
+        w_up = weight_slab(w13, expert, inter + c0, w, resident)
+        gate, counter = scaled_contract(h_t, w_gate, g_h, sc13, c0 // P, g13, mode, rows, w, None, counter, vector_blocks)
+        up, counter = scaled_contract(h_t, w_up, g_h, sc13, g_i + c0 // P, g13, mode, rows, w, None, counter,
+                                      vector_blocks)
+        if limit > 0:
+            nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
+            nisa.tensor_scalar(dst=up, data=up, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
+        silu = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=silu, op=nl.silu, data=gate)
+        nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=weight, engine=nisa.engine.scalar)
+        # both in SBUF: GpSimd takes the product when VectorE carries block scale-adds (as the dense kernel)
+        product_engine = nisa.engine.gpsimd if (mode == POW2 and vector_blocks > 0) else nisa.engine.vector
+        nisa.tensor_tensor(dst=act[:, c0:c0 + w], data1=up, data2=silu, op=nl.multiply, engine=product_engine)
+    return act, counter
+
+
+def down_slab(act_t, w2, sc2, expert, h0, width, dims, mode, total=None, resident=None, counter=0):
+    """([rows, width] fp32 SBUF (``total`` when given): hidden columns [h0, h0 + width) of the block's down
+    projection, scaled; the pow2 block count advanced)."""
+    rows, _g_h, _inter, g_i, _g13, g2, _limit, vector_blocks = dims
+    w_down = weight_slab(w2, expert, h0, width, resident)
+    return scaled_contract(act_t, w_down, g_i, sc2, h0 // P, g2, mode, rows, width, total, counter, vector_blocks)

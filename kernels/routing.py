@@ -1,0 +1,117 @@
+"""Routing metadata for the block-scheduled kernels (:mod:`.moe_w8_blocks`), built by traceable torch ops.
+
+One place for both the interpreter path and the Neuron path: every function here is plain torch on the
+routing's own device - no ``.item()``, ``.tolist()``, ``nonzero`` or Python loop over values - so it runs
+inside a ``torch.compile(fullgraph=True)`` forward and its outputs stay device tensors the kernel reads
+through registers and indirect DMA. Only the sizes are Python ints, and they depend on (T, top_k, E, B,
+programs) alone, never on the routing: one compiled kernel per length bucket.
+
+Layout (B rows per block; T tokens, E local experts, n programs):
+
+* ``capacity_blocks(T, k, E, B)`` = N: the most blocks any routing of T x k local routes can need when each
+  expert's rows are padded to whole blocks, ceil((T*k - (E-1)) / B) + E - 1 (E-1 experts with one row each
+  and the rest in one expert; nki-library's ``bwmm_shard_on_I`` uses the same static capacity).
+* ``token_position_to_id [N, B] int32``: the hidden row each block row gathers; padding rows point at the
+  zero rows T + (position mod B) of the kernel's padded hidden [T + B, H], distinct within a block, so
+  their scatter-add rows are distinct too (and discarded).
+* ``position_weight [N, B] float32``: the routing weight of that row (0 on padding); a token routed twice
+  to the same expert gets one row with the summed weight.
+* ``block_to_expert [N, 1] int32``: the local expert of each block (blocks past the used ones: E - 1,
+  never visited).
+* ``block_new_expert [N, 1] int32``: 1 where a block's expert differs from the previous block's, or the block
+  starts a program's share; the kernel reloads weights only there (a 0/1-trip dynamic loop).
+* ``block_range [n, 2] int32``: (first block, block count) of each program; programs take contiguous,
+  equal shares of the used blocks, so the work of a call is proportional to its routed rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+P = 128
+
+
+def capacity_blocks(tokens: int, top_k: int, num_experts: int, block_rows: int) -> int:
+    """N, the static block capacity (a Python int from sizes only)."""
+    routes = tokens * top_k
+    if routes <= num_experts - 1:
+        return routes
+    return -(-(routes - (num_experts - 1)) // block_rows) + num_experts - 1
+
+
+@dataclass(frozen=True)
+class BlockSchedule:
+    token_position_to_id: torch.Tensor  # [N, B] int32
+    position_weight: torch.Tensor  # [N, B] float32
+    block_to_expert: torch.Tensor  # [N, 1] int32
+    block_new_expert: torch.Tensor  # [N, 1] int32: 1 where the weights must be (re)loaded
+    block_range: torch.Tensor  # [programs, 2] int32: first block, count
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.token_position_to_id, self.position_weight, self.block_to_expert, self.block_new_expert,
+                self.block_range)
+
+
+def local_affinities(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, E] float32: each local expert's weight per token (ids outside [0, E) dropped, duplicates summed).
+
+    Traceable twin of ``host.dense_affinities`` without its host-side id check (call
+    :func:`check_routing` outside the traced graph to refuse ids >= E)."""
+    ids = topk_ids.long()
+    keep = (ids >= 0) & (ids < num_experts)
+    aff = torch.zeros(ids.shape[0], num_experts, dtype=torch.float32, device=ids.device)
+    return aff.scatter_add_(1, torch.where(keep, ids, 0), torch.where(keep, topk_weights.float(), 0.0))
+
+
+def check_routing(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Eager-only check (reads values): refuse local ids >= E instead of dropping them."""
+    if bool((topk_ids >= num_experts).any()):
+        raise ValueError(f"topk_ids holds expert id {int(topk_ids.max())} >= the {num_experts} local experts")
+
+
+def block_schedule(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, block_rows: int,
+                   programs: int = 1) -> BlockSchedule:
+    """The block metadata of one call (see the module docstring); device and traceable."""
+    tokens, top_k = topk_ids.shape
+    e, b = num_experts, block_rows
+    n = capacity_blocks(tokens, top_k, e, b)
+    dev = topk_ids.device
+    aff = local_affinities(topk_weights, topk_ids, e)
+    routed = aff != 0  # a zero-weight route adds exactly nothing: it needs no row
+    counts = routed.sum(dim=0)
+    blocks = (counts + b - 1) // b
+    ends = torch.cumsum(blocks, dim=0)
+    starts = ends - blocks
+    rank = torch.cumsum(routed.long(), dim=0) - 1  # row of (t, e) among expert e's rows
+    dump = n * b  # one slot past the schedule for the routes that are not routed
+    pos = torch.where(routed, starts[None, :] * b + rank, dump).reshape(-1)
+    token = torch.arange(tokens, device=dev)[:, None].expand(tokens, e).reshape(-1)
+    slots = torch.full((n * b + 1,), -1, dtype=torch.long, device=dev).scatter(0, pos, token)[: n * b]
+    padding = tokens + torch.arange(n * b, device=dev) % b
+    t2i = torch.where(slots >= 0, slots, padding).to(torch.int32).reshape(n, b)
+    weight = torch.zeros(n * b + 1, dtype=torch.float32, device=dev).scatter(0, pos, aff.reshape(-1))[: n * b]
+    block_ids = torch.arange(n, device=dev)
+    b2e = torch.searchsorted(ends, block_ids, right=True).clamp(max=e - 1).to(torch.int32).reshape(n, 1)
+    used = ends[-1]
+    share = (used + programs - 1) // programs
+    first = torch.minimum(torch.arange(programs, device=dev) * share, used)
+    count = torch.minimum(used - first, share)
+    block_range = torch.stack([first, count], dim=1).to(torch.int32)
+    experts = b2e.reshape(-1)
+    new = torch.ones(n, dtype=torch.int32, device=dev)
+    if n > 1:
+        new[1:] = (experts[1:] != experts[:-1]).to(torch.int32)
+    new = new.scatter(0, first.clamp(max=max(n - 1, 0)), torch.ones(programs, dtype=torch.int32, device=dev))
+    return BlockSchedule(t2i, weight.reshape(n, b), b2e, new.reshape(n, 1), block_range)
+
+
+def padded_hidden(x: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """[T + B, H] bf16: the tokens, then B zero rows the padding positions gather."""
+    return torch.cat([x.to(torch.bfloat16), x.new_zeros((block_rows, x.shape[1]), dtype=torch.bfloat16)]).contiguous()
+
+
+def combine(partials: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[programs, T + B, H] fp32 partial sums -> [T, H]: the programs' shares added, padding rows dropped."""
+    return partials.sum(dim=0)[:tokens]

@@ -1,0 +1,153 @@
+"""The device-scheduled kernels (kernels/moe_w8_blocks.py: selective decode and block prefill) in the interpreter
+against the fp32 reference on the same repacked experts, with neuron-check's gate (kernel_check.within_bound /
+error_bound: the bf16 activation's rounding bound) and its fault-injection twins; and the decode property the
+kernels exist for: a T=1 call reads only its routed experts' bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_moe_w8.kernels import host, launch, schedule
+from vllm_moe_w8.kernels.nki_api import BACKEND
+from vllm_moe_w8.neuron_glue import kernel_check as kc
+
+QWEN = dict(H=2048, I=512)
+GLM = dict(H=4096, I=2048)
+GLM_TEST_SWIGLU_LIMIT = 0.5  # random weights give |gate|, |up| ~ 1: a limit of 0.5 makes the clamp bite
+interpreter_only = pytest.mark.skipif(BACKEND != "interpreter", reason="counts the interpreter's Stats")
+
+
+@pytest.fixture(scope="module")
+def qwen_ckpt():
+    return kc.checkpoint_experts(6, QWEN["H"], QWEN["I"], seed=1)
+
+
+@pytest.fixture(scope="module")
+def qwen_layers(qwen_ckpt):
+    return {mode: kc.repacked(qwen_ckpt, mode) for mode in ("pow2", "output-block")}
+
+
+def gate(layer, tokens, top_k, lnc, seed, fault=None, swiglu_limit=0.0, empty_expert=None, vector_blocks=None):
+    """(passed, err/bound, stats) of one simulate_routed call vs the reference; ``fault(kw)`` corrupts the kernel's
+    copy of the weights only."""
+    w13, s13, w2, s2, block = layer
+    kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+    if fault is not None:
+        kw = host.KernelWeights(kw.w13.clone(), kw.w13_scales.clone(), kw.w2.clone(), kw.w2_scales.clone(), kw.mode)
+        fault(kw)
+    x = torch.randn(tokens, w2.shape[1], generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    tw, ti = kc.routing(tokens, w13.shape[0], top_k, seed, empty_expert)
+    stats = []
+    out = launch.simulate_routed(x, tw, ti, kw, lnc=lnc, stats=stats, swiglu_limit=swiglu_limit,
+                                 vector_blocks=vector_blocks)
+    ref = kc.reference_moe(x, tw, ti, w13, s13, w2, s2, *block, "e4m3", swiglu_limit=swiglu_limit)
+    ok, _err, ratio = kc.within_bound(out, ref, kc.error_bound(x, tw, ti, w13, s13, w2, s2, block, swiglu_limit))
+    unrouted = ((ti < 0) | (tw == 0)).all(dim=1)
+    assert bool((out[unrouted] == 0).all()), "a token routed to no local expert must get exactly 0"
+    return ok, ratio, stats
+
+
+@pytest.mark.parametrize("mode,tokens,lnc", [("pow2", 1, 1), ("pow2", 16, 2), ("output-block", 5, 2),
+                                             ("pow2", 300, 2), ("output-block", 200, 1)])
+def test_block_kernels_match_the_reference(qwen_layers, mode, tokens, lnc):
+    ok, ratio, _ = gate(qwen_layers[mode], tokens, top_k=4, lnc=lnc, seed=tokens, empty_expert=3)
+    assert ok, f"err/bound {ratio:.3f}"
+
+
+@pytest.mark.parametrize("tokens", [3, 260])
+def test_the_gate_refuses_one_doubled_scale_tile(qwen_layers, tokens):
+    """Fault twin: one 128x128 tile of expert 0's down-projection scales doubled (expert 0 is routed by
+    kc.routing) must fail the gate the kernels pass."""
+    def double_tile(kw):
+        kw.w2_scales[0, 5, 1] *= 2
+
+    ok, ratio, _ = gate(qwen_layers["pow2"], tokens, top_k=4, lnc=2, seed=tokens, fault=double_tile)
+    assert not ok and ratio > 1
+
+
+SCHEDULES = sorted(schedule.SCHEDULES.items())
+
+
+@pytest.mark.parametrize("scenario,vector_blocks", SCHEDULES + [("all-vector", schedule.BLOCK_PERIOD)])
+@pytest.mark.parametrize("tokens", [2, 140])
+def test_block_kernels_follow_the_pow2_schedule(qwen_layers, scenario, vector_blocks, tokens):
+    """Every engine split of kernels/schedule.py (block_scale.contract_pow2 in the block kernels) passes the gate,
+    puts the block scale-adds where the schedule says (VectorE scalar_tensor_tensor iff vector_blocks > 0, GpSimd
+    [rows, 128] adds in SBUF iff some block is off VectorE; I = 512 so the activation products are 512 wide), and the interpreter's GpSimd/PSUM rule held for every op."""
+    ok, ratio, stats = gate(qwen_layers["pow2"], tokens, top_k=4, lnc=1, seed=tokens, vector_blocks=vector_blocks)
+    assert ok, f"{scenario}: err/bound {ratio:.3f}"
+    if BACKEND == "interpreter":
+        ops = {(eng, op) for st in stats[0] for (eng, op, _p, _f) in st.engine_ops}
+        assert (("vector", "scalar_tensor_tensor") in ops) == (vector_blocks > 0), scenario
+        gpsimd_block_adds = {(eng, op) for st in stats[0] for (eng, op, _p, free) in st.engine_ops if free == 128}
+        assert (("gpsimd", "tensor_tensor") in gpsimd_block_adds) == (vector_blocks < schedule.BLOCK_PERIOD), scenario
+
+
+@pytest.mark.parametrize("scenario,vector_blocks", SCHEDULES)
+def test_the_gate_refuses_a_doubled_scale_tile_in_every_schedule(qwen_layers, scenario, vector_blocks):
+    def double_tile(kw):
+        kw.w13_scales[0, 2, 3] *= 2
+
+    ok, ratio, _ = gate(qwen_layers["pow2"], 3, top_k=4, lnc=1, seed=3, fault=double_tile, vector_blocks=vector_blocks)
+    assert not ok and ratio > 1, scenario
+
+
+def test_the_gate_refuses_swapped_gate_and_up(qwen_layers):
+    def swap(kw):
+        inter = kw.w13.shape[3] // 2
+        kw.w13[0] = torch.cat([kw.w13[0, ..., inter:], kw.w13[0, ..., :inter]], dim=-1)
+
+    ok, ratio, _ = gate(qwen_layers["output-block"], 2, top_k=4, lnc=1, seed=2, fault=swap)
+    assert not ok and ratio > 1
+
+
+@pytest.mark.slow
+def test_glm_width_selective_decode_with_swiglu_clamp():
+    layer = kc.repacked(kc.checkpoint_experts(3, GLM["H"], GLM["I"], seed=2), "pow2")
+    ok, ratio, _ = gate(layer, 2, top_k=2, lnc=2, seed=4, swiglu_limit=GLM_TEST_SWIGLU_LIMIT)
+    assert ok, f"err/bound {ratio:.3f}"
+
+
+@interpreter_only
+def test_decode_reads_only_the_routed_experts():
+    """T=1 routed to experts 3 and 11 of 16 local: the selective kernel reads those two experts' weights and
+    scales (plus the token, its routing metadata and the output's zero fill), the dense kernel all 16."""
+    layer = kc.repacked(kc.checkpoint_experts(16, 256, 256, seed=7), "pow2")
+    kw = host.to_kernel_layout(*layer[:4], *layer[4], "e4m3")
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    ids, tw = torch.tensor([[3, 11, -1, -1]]), torch.tensor([[0.5, 0.25, 0.125, 0.125]])
+    expert_bytes = (kw.w13[0].numel() + kw.w2[0].numel() + 4 * (kw.w13_scales[0].numel() + kw.w2_scales[0].numel()))
+    selective = []
+    launch.simulate_routed(x, tw, ids, kw, lnc=1, stats=selective)
+    dense = []
+    launch.simulate_moe(x, tw, ids, kw, dense)
+    sel, den = selective[0][0], dense[0]
+    rows = 16  # the T=1 decode bucket: one block of 16 rows per routed expert
+    per_block = rows * 256 * (2 + 4) + rows * 8 + 8  # gathered rows (bf16), output read-modify-write (fp32), metadata
+    assert 2 * expert_bytes <= sel.hbm_read_bytes <= 2 * (expert_bytes + per_block) + 64
+    assert den.hbm_read_bytes >= 16 * kw.w13[0].numel()
+    assert sel.dynamic_iterations == 2 + 2  # one block per routed expert, each a new expert (weights loaded once)
+
+
+@interpreter_only
+def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers):
+    """300 tokens all routed to experts 0 and 1: 3 blocks each; with resident codes (a Qwen-width expert fits SBUF)
+    each expert's weights cross HBM once per program share, not once per block - and the result is the same."""
+    from vllm_moe_w8.kernels import moe_w8_blocks
+
+    w13, s13, w2, s2, block = qwen_layers["pow2"]
+    kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+    assert moe_w8_blocks.resident_weights(QWEN["H"], QWEN["I"])
+    x = torch.randn(300, QWEN["H"], generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    ids = torch.stack([torch.zeros(300, dtype=torch.long), torch.ones(300, dtype=torch.long)], dim=1)
+    tw = torch.rand(300, 2, generator=torch.Generator().manual_seed(9))
+    stats = []
+    out = launch.simulate_routed(x, tw, ids, kw, lnc=1, stats=stats)
+    ref = kc.reference_moe(x, tw, ids, w13, s13, w2, s2, *block, "e4m3")
+    assert kc.within_bound(out, ref, kc.error_bound(x, tw, ids, w13, s13, w2, s2, block))[0]
+    st = stats[0][0]
+    codes = kw.w13[0].numel() + kw.w2[0].numel()
+    assert st.dynamic_iterations == 6 + 2  # six blocks, two of them start an expert
+    per_block = 128 * QWEN["H"] * (2 + 4)  # gathered rows (bf16) and the output's read-modify-write (fp32)
+    assert 2 * codes + 6 * per_block <= st.hbm_read_bytes <= 2 * codes + 6 * per_block + 64 * 1024  # not 6 x codes

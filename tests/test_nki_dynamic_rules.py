@@ -1,0 +1,215 @@
+"""The interpreter's runtime-dependent features (kernels/nki_cpu/dynamic.py): registers, nl.dynamic_range,
+scalar- and vector-offset DMA access patterns and DMA read-modify-write. Each feature: a legal use that
+computes exactly (against numpy), and its misuses refused (index out of range, a dynamic trip count past the
+static capacity, a register read before it holds a value, ...). Plus: the cost model charges them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_moe_w8.kernels.nki_cpu import NkiValidationError, calibration, cost, cost_dynamic, jit, run
+from vllm_moe_w8.kernels.nki_cpu import isa as nisa
+from vllm_moe_w8.kernels.nki_cpu import language as nl
+
+ROWS, COLS = 8, 16
+TABLE = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS) / 7
+
+
+@jit
+def gather_rows_kernel(table, index):
+    """out[p] = table[index[p]]: one vector-offset DMA (index [P, 1] int32)."""
+    p = index.shape[0]
+    idx = nl.ndarray((p, 1), dtype=index.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=index)
+    rows = nl.ndarray((p, table.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=rows, src=table.ap(pattern=[[table.shape[1], p], [1, table.shape[1]]], offset=0, vector_offset=idx,
+                                         indirect_dim=0))
+    out = nl.ndarray((p, table.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=rows)
+    return out
+
+
+@jit
+def row_sum_loop_kernel(table, order, count):
+    """out = sum over i < count of table[order[i]]: a dynamic loop of count[0, 0] trips (a register), the
+    iteration's position in an SBUF tile, the row fetched by a scalar-offset DMA of order's entry."""
+    n = table.shape[1]
+    acc = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=acc, value=0.0)
+    pos = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.memset(dst=pos, value=0)
+    c = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=c, src=count)
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, c)
+    for _ in nl.dynamic_range(reg):
+        row_id = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row_id, src=order.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=pos, indirect_dim=0))
+        row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row, src=table.ap(pattern=[[n, 1], [1, n]], offset=0, scalar_offset=row_id, indirect_dim=0))
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=row, op=nl.add)
+        nisa.tensor_scalar(dst=pos, data=pos, op0=nl.add, operand0=1)
+    out = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=acc)
+    return out
+
+
+@jit
+def scatter_add_kernel(base, index, values):
+    """out = base; out[index[p]] += values[p] by DMA read-modify-write (dma_compute)."""
+    p, n = values.shape
+    out = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    b = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=b, src=base)
+    nisa.dma_copy(dst=out, src=b)
+    idx = nl.ndarray((p, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=index)
+    v = nl.ndarray((p, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=v, src=values)
+    dst = out.ap(pattern=[[n, p], [1, n]], offset=0, vector_offset=idx, indirect_dim=0)
+    nisa.dma_compute(dst=dst, srcs=[dst, v], reduce_op=nl.add)
+    return out
+
+
+def col(values, dtype=np.int32):
+    return np.asarray(values, dtype=dtype).reshape(-1, 1)
+
+
+def test_vector_offset_gather_is_exact_and_refuses_out_of_range_rows():
+    idx = [5, 0, 7, 5]
+    out, stats = run(gather_rows_kernel, TABLE, col(idx))
+    assert np.array_equal(out, TABLE[idx])
+    assert stats.indirect_dmas[("vector", 4)] == 1
+    for bad in ([5, 0, 8, 1], [5, -1, 2, 1]):
+        with pytest.raises(NkiValidationError, match=r"vector_offset -?\d+ out of range .*\(size 8\)"):
+            run(gather_rows_kernel, TABLE, col(bad))
+    with pytest.raises(NkiValidationError, match="offsets are integer tiles"):
+        run(gather_rows_kernel, TABLE, col(idx, np.float32))
+
+
+def test_dynamic_loop_with_register_and_scalar_offsets_is_exact():
+    order = col([3, 3, 6, 1, 0])
+    for count in (0, 1, 5):
+        out, stats = run(row_sum_loop_kernel, TABLE, order, np.array([[count]], np.int32))
+        want = TABLE[order[:count, 0]].sum(axis=0, keepdims=True) if count else np.zeros((1, COLS), np.float32)
+        assert np.allclose(out, want, rtol=0, atol=1e-6)
+        assert (stats.dynamic_loops, stats.dynamic_iterations, stats.register_loads) == (1, count, 1)
+        assert stats.indirect_dmas[("scalar", 1)] == 2 * count
+
+
+def test_a_dynamic_trip_count_past_the_static_capacity_is_refused():
+    """order holds 5 entries (the static capacity); a loaded count of 6 makes the 6th trip's scalar offset
+    leave the tensor: refused, never read past the end."""
+    with pytest.raises(NkiValidationError, match=r"scalar_offset 5 out of range .*\(size 5\)"):
+        run(row_sum_loop_kernel, TABLE, col([3, 3, 6, 1, 0]), np.array([[6]], np.int32))
+
+
+def test_a_scalar_offset_out_of_range_is_refused():
+    with pytest.raises(NkiValidationError, match=r"scalar_offset 8 out of range .*\(size 8\)"):
+        run(row_sum_loop_kernel, TABLE, col([3, 8]), np.array([[2]], np.int32))
+
+
+def _register_kernel(setup):
+    @jit
+    def kernel(count):
+        c = nl.ndarray((1, 1), dtype=count.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=c, src=count)
+        reg = setup(c)
+        acc = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=acc, value=0.0)
+        for _ in nl.dynamic_range(1, reg):
+            nisa.tensor_scalar(dst=acc, data=acc, op0=nl.add, operand0=1.0)
+        out = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=acc)
+        return out
+
+    return kernel
+
+
+def _loaded(c):
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, c)
+    return reg
+
+
+def _never_loaded(c):
+    return nisa.register_alloc()
+
+
+def _moved(c):
+    reg = nisa.register_alloc()
+    nisa.register_move(reg, 4)
+    return reg
+
+
+def test_registers_hold_values_only_once_given_one():
+    assert run(_register_kernel(_loaded), np.array([[4]], np.int32))[0][0, 0] == 3  # trips 1..3
+    assert run(_register_kernel(_moved), np.array([[9]], np.int32))[0][0, 0] == 3
+    with pytest.raises(NkiValidationError, match="before it holds a value"):
+        run(_register_kernel(_never_loaded), np.array([[4]], np.int32))
+    with pytest.raises(NkiValidationError, match="registers hold 32-bit integers"):
+        run(_register_kernel(_loaded), np.array([[4.0]], np.float32))
+
+
+def _loop_kernel(body, step=1):
+    @jit
+    def kernel(x):
+        t = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        for i in nl.dynamic_range(0, 2, step):
+            body(i, t)
+        out = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    return kernel
+
+
+def _double(i, t):
+    nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
+
+
+def _index_with_loop_variable(i, t):
+    nisa.tensor_scalar(dst=t[:, i:i + 1], data=t[:, i:i + 1], op0=nl.multiply, operand0=2.0)
+
+
+def test_the_dynamic_loop_variable_is_a_runtime_value():
+    x = np.ones((1, 4), np.float32)
+    assert np.array_equal(run(_loop_kernel(_double), x)[0], 4 * x)
+    with pytest.raises(NkiValidationError, match="iteration variable .* runtime value"):
+        run(_loop_kernel(_index_with_loop_variable), x)
+    with pytest.raises(NkiValidationError, match="step=0.5"):
+        run(_loop_kernel(_double, step=0.5), x)
+
+
+def test_dma_read_modify_write_adds_exactly_and_refuses_repeated_rows():
+    base = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    values = np.full((3, 4), 0.25, np.float32) * np.arange(1, 4, dtype=np.float32)[:, None]
+    out, stats = run(scatter_add_kernel, base, col([4, 0, 2]), values)
+    want = base.copy()
+    want[[4, 0, 2]] += values
+    assert np.array_equal(out, want)
+    assert stats.indirect_dmas[("vector", 3)] == 1
+    with pytest.raises(NkiValidationError, match="twice in one DMA"):
+        run(scatter_add_kernel, base, col([4, 0, 4]), values)
+    with pytest.raises(NkiValidationError, match="out of range"):
+        run(scatter_add_kernel, base, col([4, 0, 6]), values)
+
+
+@pytest.mark.parametrize("scenario", sorted(calibration.SCENARIOS))
+def test_the_cost_model_charges_descriptors_register_loads_and_loop_trips(scenario):
+    sc = calibration.SCENARIOS[scenario]
+    c = sc.constants
+    order = col([3, 3, 6, 1, 0])
+    _, none = run(row_sum_loop_kernel, TABLE, order, np.array([[0]], np.int32))
+    _, five = run(row_sum_loop_kernel, TABLE, order, np.array([[5]], np.int32))
+    e0, e5 = cost.estimate(none, sc), cost.estimate(five, sc)
+    assert e5.control_s - e0.control_s == pytest.approx(5 * c.dynamic_iteration_s)
+    assert e0.control_s == pytest.approx(c.register_load_s)
+    assert e5.time_s > e0.time_s + 5 * c.dynamic_iteration_s * 0.99
+    _, gathered = run(gather_rows_kernel, TABLE, col([5, 0, 7, 5]))
+    assert cost_dynamic.descriptor_seconds(gathered, c) == pytest.approx(3 * c.indirect_descriptor_s)
+    assert cost.estimate(gathered, sc).dge_s == pytest.approx(gathered.dma_count * c.dge_per_dma_s + 3 * c.indirect_descriptor_s)
+    for name in cost_dynamic.CONSTANT_NAMES:
+        assert getattr(c, name) > 0 and sc.sources[name].startswith("assumed"), (scenario, name)
