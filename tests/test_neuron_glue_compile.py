@@ -102,14 +102,16 @@ def test_compiled_model_traces_whole_matches_reference_and_does_not_recompile(gl
     models = st.run_ranks(WORLD, one)
     cases = [("decode", T_DECODE, True), ("prefill", T_PREFILL, False)]
 
-    def run(seed):
+    def run(seed, error_on_recompile=False):
         def step(rank):
             state(rank)
             outs = {}
-            for case, tokens, decode in cases:
-                x = hidden(tokens, seed + tokens)
-                inp = x if decode else x.chunk(WORLD)[rank]  # prefill input is sequence-parallel
-                outs[case] = call(models[rank], name, inp, torch.arange(tokens), decode)
+            # dynamo's config patches hold per thread: the rank's own thread must set it
+            with torch._dynamo.config.patch(error_on_recompile=error_on_recompile):
+                for case, tokens, decode in cases:
+                    x = hidden(tokens, seed + tokens)
+                    inp = x if decode else x.chunk(WORLD)[rank]  # prefill input is sequence-parallel
+                    outs[case] = call(models[rank], name, inp, torch.arange(tokens), decode)
             return outs
 
         return st.run_ranks(WORLD, step)
@@ -121,8 +123,7 @@ def test_compiled_model_traces_whole_matches_reference_and_does_not_recompile(gl
     # (host_routed.schedule_for; metadata from kernels/routing.py inside the graph)
     assert sorted(rec.launches(g) for g in rec.graphs) == [1] * (WORLD * len(cases))
     assert all(rec.kernels(g) == ["moe_w8_blocks_pow2"] for g in rec.graphs), [rec.kernels(g) for g in rec.graphs]
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        second = run(seed=100)  # same shapes, different hidden states: a different routing
+    second = run(seed=100, error_on_recompile=True)  # same shapes, different hidden states: a different routing
     assert len(rec.graphs) == graphs, "a second routing of the same shape compiled again"
     for outs, seed in ((first, 1), (second, 100)):
         for rank, got in enumerate(outs):
