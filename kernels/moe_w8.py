@@ -54,7 +54,7 @@ bf16 once before the down projection (the only rounding beyond fp32 accumulation
 
 from __future__ import annotations
 
-from . import block_scale, schedule
+from . import block_scale, projections, schedule
 from .nki_api import nisa, nki, nl
 
 P = 128  # partitions; contraction block and scale block
@@ -142,13 +142,7 @@ def _broadcast_rows(rows_hbm, rows, ones):
         starts.append(c0)
         nisa.dma_copy(dst=row[:, c0:c0 + r.shape[1]], src=r)
         c0 += r.shape[1]
-    out = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.sbuf)
-    for c in range((n + SLAB - 1) // SLAB):
-        w = min(SLAB, n - c * SLAB)
-        ps = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=ps, stationary=ones[:, 0:rows], moving=row[:, c * SLAB:c * SLAB + w], accumulate=False)
-        nisa.tensor_copy(dst=out[:, c * SLAB:c * SLAB + w], src=ps)
-    return out, starts
+    return projections.broadcast_row(row, rows, ones), starts
 
 
 def _scale_col(block0, nb, k, per_block):

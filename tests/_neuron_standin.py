@@ -34,6 +34,25 @@ def drop_standin() -> None:
         sys.path.remove(str(STANDIN))
 
 
+def glue_fixture(monkeypatch, install: bool = True):
+    """Body of the Neuron-glue tests' fixture (a generator: ``yield from``): the stand-in on sys.path, neuron-w8's
+    ``current_vllm_config`` answered from the yielded holder (``holder["config"]``, set by the test), the Neuron
+    registration installed on the stand-in platform unless ``install=False``; the stand-in dropped afterwards."""
+    put_standin_on_path()
+    from vllm_moe_w8.neuron_glue import registration
+
+    holder: dict = {}
+    monkeypatch.setattr(registration, "current_vllm_config", lambda: holder["config"])
+    if install:
+        from vllm_neuron.vllm.platform import NeuronPlatform
+
+        registration.install(NeuronPlatform)
+    try:
+        yield holder
+    finally:
+        drop_standin()
+
+
 def as_namespace(d):
     if isinstance(d, dict):
         return SimpleNamespace(**{k: as_namespace(v) for k, v in d.items()})

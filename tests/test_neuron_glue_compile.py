@@ -52,18 +52,11 @@ class Recorder:
 
 @pytest.fixture()
 def glue(monkeypatch):
-    st.put_standin_on_path()
-    from vllm_neuron.vllm.platform import NeuronPlatform
-
-    from vllm_moe_w8.neuron_glue import registration
-
-    holder = {}
-    monkeypatch.setattr(registration, "current_vllm_config", lambda: holder["config"])
-    registration.install(NeuronPlatform)
     torch._dynamo.reset()
-    yield holder
-    torch._dynamo.reset()
-    st.drop_standin()
+    try:
+        yield from st.glue_fixture(monkeypatch)
+    finally:
+        torch._dynamo.reset()
 
 
 def build(glue, family, path, ep, recorder, cpu_compile=False):

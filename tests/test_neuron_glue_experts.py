@@ -47,16 +47,7 @@ def tensors(ckpt):
 @pytest.fixture()
 def glue(monkeypatch):
     """The stand-in on sys.path, neuron-w8's Neuron registration installed, the vLLM config a test sets."""
-    st.put_standin_on_path()
-    from vllm_neuron.vllm.platform import NeuronPlatform
-
-    from vllm_moe_w8.neuron_glue import registration
-
-    holder = {}
-    monkeypatch.setattr(registration, "current_vllm_config", lambda: holder["config"])
-    registration.install(NeuronPlatform)
-    yield holder
-    st.drop_standin()
+    yield from st.glue_fixture(monkeypatch)
 
 
 def load_rank_models(ckpt, holder, world, ep, additional_config=None):

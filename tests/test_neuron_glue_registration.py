@@ -35,13 +35,7 @@ def qwen3(tmp_path_factory):
 
 @pytest.fixture()
 def standin(monkeypatch):
-    st.put_standin_on_path()
-    from vllm_moe_w8.neuron_glue import registration
-
-    holder = {}
-    monkeypatch.setattr(registration, "current_vllm_config", lambda: holder["config"])
-    yield holder
-    st.drop_standin()
+    yield from st.glue_fixture(monkeypatch, install=False)
 
 
 def platform():
