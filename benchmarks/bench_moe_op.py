@@ -3,9 +3,10 @@ checkpoint on this host.
 
 Side by side in one run, for each token count T:
 
-* ``w8``       -- ``vllm_moe_w8.op.cpu.fused_moe_cpu`` (the op's CPU body, its default path: on avx512bf16 with
-                  BF16 activations h rounded to BF16) with the native variant chosen by ``--isa``;
-* ``w8_exact`` -- the same kernel with the exact h (``VLLM_MOE_W8_CPU_H=exact``), where that is another path;
+* ``w8``       -- ``vllm_moe_w8.op.cpu.fused_moe_cpu`` (the op's CPU body, its path under this environment: the
+                  exact h by default; run with ``VLLM_MOE_W8_CPU_H=bf16`` to measure the opt-in BF16 h, which the
+                  results recorded before it became opt-in used) with the native variant chosen by ``--isa``;
+* ``w8_exact`` -- the same kernel with the exact h, where that is another path (i.e. under ``VLLM_MOE_W8_CPU_H=bf16``);
 * vLLM's kernels (:mod:`benchmarks.vllm_moe_kernels`): its FP8 W8A16 MoE where this CPU has it (AMX hosts; recorded
   as "not available on this CPU" elsewhere), its BF16 MoE with the ISA it picks here (``amx`` or ``vec``) over
   the exactly dequantised experts rounded to BF16 (the BF16 twin), and ``vec`` for continuity.

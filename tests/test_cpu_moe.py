@@ -200,7 +200,7 @@ def test_dispatch_matches_torch_path():
     out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
     impl = cpu_moe.implementation(h, inter, 128)
     rounded = cpu_moe.h_precision(x.dtype, impl.removeprefix("native-")) == "bf16"
-    assert rounded == (impl == "native-avx512bf16")  # BF16 activations: the BF16 h wherever avx512bf16 runs
+    assert not rounded  # the exact h by default, on every variant (the BF16 h is opt-in: VLLM_MOE_W8_CPU_H=bf16)
     assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", h_rounded=rounded)
 
 
@@ -270,7 +270,7 @@ def test_no_silent_fallback_on_a_supported_host(fresh_native, monkeypatch, caplo
     x = torch.randn(5, 256, generator=gen).to(torch.bfloat16)
     with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
         out = cpu_moe.fused_moe_cpu(x, wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
-    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", h_rounded=best == "avx512bf16")
+    assert_matches_reference(out, x, ids, wts, w13, w13_s, w2, w2_s, 128, 128, "e4m3", h_rounded=False)  # the exact h is the default
     assert any("native kernel" in r.getMessage() and f"instruction set {best}" in r.getMessage() for r in caplog.records)
 
 
@@ -371,26 +371,26 @@ def test_thread_count_and_scheduling_do_not_change_a_bit(impl):
 
 @pytest.mark.skipif("avx512bf16" not in HOST_ISAS, reason="needs an avx512bf16 host")
 def test_h_precision_is_chosen_logged_and_selectable(fresh_native, monkeypatch, caplog):
-    """BF16 activations get the BF16 h by default (and the log says so and why); VLLM_MOE_W8_CPU_H=exact gives the
-    exact path's bits; other dtypes stay exact; a bad value is named."""
+    """The exact h by default; VLLM_MOE_W8_CPU_H=bf16 gives BF16 activations the BF16 h (and the log says so and
+    why); other dtypes stay exact; a bad value is named."""
     w13, w13_s, w2, w2_s = make_experts(4, 256, 128, (128, 128), "e4m3", seed=41)
     gen = torch.Generator().manual_seed(42)
     ids, wts = make_routing(6, 2, 4, gen)
     x = torch.randn((6, 256), generator=gen)
+    assert cpu_moe.h_precision(torch.bfloat16, "avx512bf16") == "exact" and "h exact" in cpu_moe.describe_path()
+    xb = x.bfloat16()
+    args = (wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
+    rounded = cpu_moe.fused_moe_native(xb, *args, isa="avx512bf16", h_mode="bf16")
+    exact = cpu_moe.fused_moe_native(xb, *args, isa="avx512bf16", h_mode="exact")
+    assert torch.equal(cpu_moe.fused_moe_cpu(xb, *args), exact) and not torch.equal(rounded, exact)
+    monkeypatch.setenv(cpu_moe_native.ENV_H, "bf16")
     assert cpu_moe.h_precision(torch.bfloat16, "avx512bf16") == "bf16"
     assert cpu_moe.h_precision(torch.float32, "avx512bf16") == cpu_moe.h_precision(torch.bfloat16, "avx2") == "exact"
     assert "rounded to BF16" in cpu_moe.describe_path()
-    xb = x.bfloat16()
-    args = (wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")
     with caplog.at_level("INFO", logger="vllm.vllm_moe_w8.op.cpu"):
-        default = cpu_moe.fused_moe_cpu(xb, *args)
+        opted = cpu_moe.fused_moe_cpu(xb, *args)
     assert any("rounded to BF16" in r.getMessage() and "bfloat16 activations" in r.getMessage() for r in caplog.records)
-    rounded = cpu_moe.fused_moe_native(xb, *args, isa="avx512bf16", h_mode="bf16")
-    exact = cpu_moe.fused_moe_native(xb, *args, isa="avx512bf16", h_mode="exact")
-    assert torch.equal(default, rounded) and not torch.equal(rounded, exact)
-    monkeypatch.setenv(cpu_moe_native.ENV_H, "exact")
-    assert cpu_moe.h_precision(torch.bfloat16, "avx512bf16") == "exact" and "h exact" in cpu_moe.describe_path()
-    assert torch.equal(cpu_moe.fused_moe_cpu(xb, *args), exact)
+    assert torch.equal(opted, rounded)
     monkeypatch.setenv(cpu_moe_native.ENV_H, "fast")
     with pytest.raises(ValueError, match="VLLM_MOE_W8_CPU_H"):
         cpu_moe.fused_moe_cpu(x.bfloat16(), wts, ids, w13, w13_s, w2, w2_s, 128, 128, "e4m3")

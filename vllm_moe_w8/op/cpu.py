@@ -32,7 +32,7 @@ float32 summation order; with the BF16 h it additionally carries h's rounding (<
 <= 2^-9 * sum_i |W2[n, i] h_i| per output), the same order as rounding the BF16 output itself.
 The implementation, instruction set and h precision that run are logged once per process
 (:func:`implementation`, :func:`h_precision` say which). ``VLLM_MOE_W8_CPU_ISA=avx512bf16|avx2|torch`` forces
-a variant (an ISA the CPU lacks is an error); ``VLLM_MOE_W8_CPU_H=exact`` keeps h exact for BF16 inputs too.
+a variant (an ISA the CPU lacks is an error); ``VLLM_MOE_W8_CPU_H=bf16`` rounds h to BF16 for BF16 inputs (opt-in).
 """
 
 from __future__ import annotations
@@ -213,14 +213,14 @@ H_EXACT, H_BF16 = "exact", "bf16"
 def h_precision(x_dtype: torch.dtype, isa: str, choice: str | None = None) -> str:
     """How variant ``isa`` carries h = silu(gate) * up into the down projection for activations of ``x_dtype``.
 
-    ``"bf16"`` (one BF16 plane, h rounded to nearest) only on ``avx512bf16`` for BF16 activations -- their
-    output is rounded to BF16 anyway, and it halves the down projection's work -- unless
-    ``VLLM_MOE_W8_CPU_H=exact`` (``choice``); ``"exact"`` otherwise (two planes; float32 on avx2 and torch).
+    ``"exact"`` by default (two BF16 planes on avx512bf16; float32 on avx2 and torch). ``"bf16"`` (one BF16
+    plane, h rounded to nearest: half the down projection's work) only when ``VLLM_MOE_W8_CPU_H=bf16``
+    (``choice``), on ``avx512bf16``, for BF16 activations (opt-in: see ``native.ENV_H``).
     """
     from vllm_moe_w8.op import native
 
     choice = native.h_choice() if choice is None else choice
-    return H_BF16 if isa == "avx512bf16" and x_dtype == torch.bfloat16 and choice == "auto" else H_EXACT
+    return H_BF16 if isa == "avx512bf16" and x_dtype == torch.bfloat16 and choice == H_BF16 else H_EXACT
 
 
 def h_reason(x_dtype: torch.dtype, isa: str, precision: str) -> str:
@@ -229,12 +229,12 @@ def h_reason(x_dtype: torch.dtype, isa: str, precision: str) -> str:
 
     if precision == H_BF16:
         return (f"h = SiLU(gate)*up rounded to BF16 before the down projection, as vLLM's BF16 MoE does (BF16 "
-                f"activations, whose output is BF16; {native.ENV_H}=exact keeps h exact)")
+                f"activations, {native.ENV_H}=bf16: opt-in, lossier than the exact default)")
     if isa != "avx512bf16":
         return f"h exact (float32: the {isa} variant gains nothing from rounding it)"
     if x_dtype != torch.bfloat16:
         return f"h exact (two BF16 planes, 2^-18 relative: {x_dtype} activations)"
-    return f"h exact (two BF16 planes, 2^-18 relative: {native.ENV_H}=exact)"
+    return f"h exact (two BF16 planes, 2^-18 relative: the default; {native.ENV_H}=bf16 rounds it)"
 
 
 def describe_path() -> str:
@@ -247,10 +247,10 @@ def describe_path() -> str:
         return f"torch implementation ({native.unavailable_reason('torch')}); weights exact, h float32"
     if isa != "avx512bf16":
         return f"native {isa} kernel ({forced}); weights exact, h float32"
-    if native.h_choice() == "exact":
-        return f"native avx512bf16 kernel ({forced}); weights exact, h exact ({native.ENV_H}=exact)"
+    if native.h_choice() == H_EXACT:
+        return f"native avx512bf16 kernel ({forced}); weights exact, h exact (the default; {native.ENV_H}=bf16 rounds it)"
     return (f"native avx512bf16 kernel ({forced}); weights exact; h = SiLU(gate)*up rounded to BF16 for BF16 activations "
-            f"as vLLM's BF16 MoE does ({native.ENV_H}=exact keeps it exact), exact for other dtypes")
+            f"as vLLM's BF16 MoE does ({native.ENV_H}=bf16, opt-in), exact for other dtypes")
 
 
 def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, block_n, block_k, code_format,

@@ -31,8 +31,11 @@ from vllm_moe_w8.codec import cxx_build
 
 CSRC = Path(__file__).with_name("csrc")
 ENV_ISA = "VLLM_MOE_W8_CPU_ISA"
-ENV_H = "VLLM_MOE_W8_CPU_H"  # auto: h rounded to bf16 for bf16 activations on avx512bf16; exact: float32 h always
-H_CHOICES = ("auto", "exact")
+# exact (default): h = SiLU(gate)*up exact; bf16 (opt-in): h rounded to bf16 for bf16 activations on avx512bf16.
+# Not the default: a tiny bf16 Qwen3.5-MoE served with it misses the model accuracy gate (max |dlogprob| 0.35 vs the
+# twin, 0.030 with the exact h; tests/test_models_accuracy.py), which the op-level bound does not explain yet.
+ENV_H = "VLLM_MOE_W8_CPU_H"
+H_CHOICES = ("exact", "bf16")
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,8 @@ def selected_isa() -> str:
 
 
 def h_choice() -> str:
-    """``VLLM_MOE_W8_CPU_H`` validated: ``auto`` (default) or ``exact``."""
-    choice = os.environ.get(ENV_H, "auto").strip().lower() or "auto"
+    """``VLLM_MOE_W8_CPU_H`` validated: ``exact`` (default) or ``bf16``."""
+    choice = os.environ.get(ENV_H, "exact").strip().lower() or "exact"
     if choice not in H_CHOICES:
         raise ValueError(f"{ENV_H}={choice!r} is not a choice; set it to one of {', '.join(H_CHOICES)}")
     return choice
