@@ -128,6 +128,19 @@ def _load_tokens(hidden, affinities, dims):
     return h_t, aff, acc
 
 
+def _transpose_act(act, gi, t, tt_rows, n_tt):
+    """[tt_rows, n_tt, I] bf16 activation -> its transpose [P, I/P, T] bf16 in SBUF (TensorE transposes, ScalarE
+    evacuates PSUM): the stationary operand of the down projection."""
+    act_t = nl.ndarray((P, gi, t), dtype=nl.bfloat16, buffer=nl.sbuf)
+    for tt in range(n_tt):
+        cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
+        for k in range(gi):
+            ps = nl.ndarray((P, tt_rows), dtype=nl.bfloat16, buffer=nl.psum)
+            nisa.nc_transpose(dst=ps, data=act[:, tt, k * P:(k + 1) * P])
+            nisa.tensor_copy(dst=act_t[:, k, cols], src=ps, engine=nisa.engine.scalar)
+    return act_t
+
+
 def _broadcast_rows(rows_hbm, rows, ones):
     """[1, n_i] fp32 rows in HBM -> one [rows, sum n_i] fp32 SBUF tile, every partition a copy (K=1 fp32 matmuls:
     exact), and the column where each row starts. The rows are loaded side by side so one matmul per 512 columns
@@ -236,13 +249,7 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
                                    engine=nisa.engine.gpsimd if vector_blocks > 0 else nisa.engine.vector)
 
     # activation^T [P, I/P, T] bf16: the stationary operand of the down projection
-    act_t = nl.ndarray((P, gi, t), dtype=nl.bfloat16, buffer=nl.sbuf)
-    for tt in range(n_tt):
-        cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
-        for k in range(gi):
-            ps = nl.ndarray((P, tt_rows), dtype=nl.bfloat16, buffer=nl.psum)
-            nisa.nc_transpose(dst=ps, data=act[:, tt, k * P:(k + 1) * P])
-            nisa.tensor_copy(dst=act_t[:, k, cols], src=ps, engine=nisa.engine.scalar)
+    act_t = _transpose_act(act, gi, t, tt_rows, n_tt)
 
     # down projection, 512 hidden columns at a time, added into the fp32 accumulators; its weights arrive
     # DOWN_DMA_COLS columns per DMA

@@ -15,7 +15,7 @@ dequantised and contracted, added to the fp32 accumulator.
 
 from __future__ import annotations
 
-from .moe_w8 import DOWN_DMA_COLS, P, SLAB, _broadcast_rows, _dims, _load_tokens, _load_w13
+from .moe_w8 import DOWN_DMA_COLS, P, SLAB, _broadcast_rows, _dims, _load_tokens, _load_w13, _transpose_act
 from .nki_api import nisa, nki, nl
 
 POW2 = "pow2"
@@ -93,13 +93,7 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, limit):
                 nisa.activation(dst=silu, op=nl.silu, data=gate)
             nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=aff[:, tt, e:e + 1], engine=nisa.engine.scalar)
             nisa.tensor_tensor(dst=act[:, tt, c0:c0 + w], data1=up, data2=silu, op=nl.multiply)
-    act_t = nl.ndarray((P, gi, t), dtype=nl.bfloat16, buffer=nl.sbuf)
-    for tt in range(n_tt):
-        cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
-        for k in range(gi):
-            ps = nl.ndarray((P, tt_rows), dtype=nl.bfloat16, buffer=nl.psum)
-            nisa.nc_transpose(dst=ps, data=act[:, tt, k * P:(k + 1) * P])
-            nisa.tensor_copy(dst=act_t[:, k, cols], src=ps, engine=nisa.engine.scalar)
+    act_t = _transpose_act(act, gi, t, tt_rows, n_tt)
     for d0 in range(0, h, DOWN_DMA_COLS):
         dw = min(DOWN_DMA_COLS, h - d0)
         codes = nl.ndarray((P, gi, dw), dtype=nl.uint8, buffer=nl.sbuf)
