@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from vllm_moe_w8.tools import cli
 from vllm_moe_w8.neuron_glue import kernel_check, kernel_launch, neuron_check
@@ -35,7 +36,7 @@ def test_cpu_host_runs_every_kernel_reports_what_is_missing_and_exits_2(small_la
         assert line in text
     record = json.loads(out_json.read_text())
     cases = record["kernels"]
-    assert [c["name"] for c in cases] == [c[0] for c in neuron_check.CASES]
+    assert [c["name"] for c in cases] == [c[0] for c in neuron_check.CASES + neuron_check.GLM_CASES]
     assert all(c["passed"] and c["lnc"] == 2 and c["modelled_s"] > 0 for c in cases)
     assert {c["kernel"] for c in cases} == {"selective", "dense", "blocks"}
     assert "compiled_with: torch.compile(fullgraph=True, dynamic=False), backend eager" in text
@@ -60,6 +61,43 @@ def test_a_kernel_outside_the_bound_fails_the_check(small_layer, capsys, monkeyp
     monkeypatch.setattr(neuron_check, "CASES", neuron_check.CASES[:1])
     assert neuron_check.run(lnc=1) == neuron_check.EXIT_FAILED
     assert "outside the bound: selective pow2 (decode)" in capsys.readouterr().out
+
+
+# --- the GLM-5.3-Flash case (issue #22): the clamp, against the float64 reference ----------------------
+
+def _clamped_fraction(g: dict) -> float:
+    """Share of gate and up pre-activations the case's swiglu_limit clamps (float64, the case's own layer and input)."""
+    from vllm_moe_w8.op.reference import dequantize_w13
+
+    w13, s13, _w2, _s2, block = kernel_check.repacked(kernel_check.checkpoint_experts(g["experts"], g["hidden"], g["inter"], seed=1), "pow2")
+    x = torch.randn(8, g["hidden"], generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).double()
+    gate, up = dequantize_w13(w13, s13, 0, block, "e4m3")
+    gate, up = x @ gate.double().T, x @ up.double().T
+    return float(((gate > g["swiglu_limit"]).sum() + (up.abs() > g["swiglu_limit"]).sum()) / (gate.numel() + up.numel()))
+
+
+def test_the_glm_case_clamps_and_passes_the_gate_against_float64():
+    results = neuron_check.run_glm_kernels(lnc=2, on_neuron=False)
+    assert [r.name for r in results] == [c[0] for c in neuron_check.GLM_CASES]
+    assert {r.kernel for r in results} == {"selective", "blocks"}
+    assert all(r.passed and r.lnc == 2 and r.modelled_s > 0 for r in results), [(r.name, r.err_over_bound) for r in results]
+    assert _clamped_fraction(neuron_check.glm_shape(False)) > 0.2  # the clamp binds: the check sees it
+    full = neuron_check.glm_shape(True)
+    assert (full["hidden"], full["inter"], full["experts"]) == (4096, 2048, 9)  # GLM-5.3-Flash seed rank, TP=32/EP=32
+
+
+def test_the_glm_case_fails_when_the_kernel_drops_the_swiglu_limit(capsys, monkeypatch):
+    """Fault injection: the launch runs without the model's clamp (the reference keeps it) -> exit 1 naming the case."""
+    real = kernel_launch.run_routed_experts
+
+    def unclamped(*args, swiglu_limit=0.0, **kwargs):
+        return real(*args, swiglu_limit=0.0, **kwargs)
+
+    monkeypatch.setattr(kernel_launch, "run_routed_experts", unclamped)
+    monkeypatch.setattr(neuron_check, "CASES", ())
+    monkeypatch.setattr(neuron_check, "GLM_CASES", neuron_check.GLM_CASES[:1])
+    assert neuron_check.run(lnc=1) == neuron_check.EXIT_FAILED
+    assert f"outside the bound: {neuron_check.GLM_CASES[0][0]}" in capsys.readouterr().out
 
 
 # --- stand-in: the Neuron branch's decisions with monkeypatched host probes ------------------------------

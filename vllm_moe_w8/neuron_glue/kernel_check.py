@@ -93,8 +93,8 @@ def error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block, swiglu_limit
 
 def within_bound(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> tuple[bool, float, float]:
     """(passes, max |out - ref|, max |out - ref| / bound): the gate every kernel check uses."""
-    err = (out.float() - ref.float()).abs()
-    ratio = float((err / bound).max()) if err.numel() else 0.0
+    err = (out.double() - ref.double()).abs()  # float64: the reference may be float64
+    ratio = float((err / bound.double()).max()) if err.numel() else 0.0
     return bool(out.shape == ref.shape and torch.isfinite(out).all() and ratio <= 1.0), float(err.max()) if err.numel() else 0.0, ratio
 
 
@@ -136,9 +136,10 @@ def compiled_routed(kw: host.KernelWeights, lnc: int, swiglu_limit: float, compi
 
 def run_case(name: str, ckpt, mode: str, tokens: int, top_k: int, lnc: int, seed: int = 0, repeats: int = 1,
              swiglu_limit: float = 0.0, empty_expert: int | None = None, layer=None, device: str = "cpu",
-             kernel: str = "dense", compile_backend="eager") -> CaseResult:
-    """One layer call (tensors on ``device``) vs the reference: ``kernel="dense"`` through the compiled served path
-    (:func:`compiled_routed`), ``"grouped"`` through ``kernel_launch.run_grouped_experts`` (eager)."""
+             kernel: str = "dense", compile_backend="eager", reference_dtype=torch.float32) -> CaseResult:
+    """One layer call (tensors on ``device``) vs the reference (computed in ``reference_dtype``: float32, or float64
+    for the GLM cases): ``kernel="dense"`` through the compiled served path (:func:`compiled_routed`), ``"grouped"``
+    through ``kernel_launch.run_grouped_experts`` (eager)."""
     from vllm_moe_w8.neuron_glue import interpreter_hop, kernel_launch
 
     w13, s13, w2, s2, block = layer if layer is not None else repacked(ckpt, mode)
@@ -159,7 +160,8 @@ def run_case(name: str, ckpt, mode: str, tokens: int, top_k: int, lnc: int, seed
         with interpreter_hop.collect_stats(first_stats if i == 0 else []):
             out = call(x.to(device), topk_weights.to(device), topk_ids.to(device))
         times.append(time.perf_counter() - t0)
-    ref = reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3", swiglu_limit=swiglu_limit)
+    ref = reference_moe(x, topk_weights, topk_ids, w13, s13, w2, s2, block[0], block[1], "e4m3", swiglu_limit=swiglu_limit,
+                        dtype=reference_dtype)
     ok, err, ratio = within_bound(out.cpu(), ref, error_bound(x, topk_weights, topk_ids, w13, s13, w2, s2, block, swiglu_limit))
     modelled = modelled_seconds(first_stats) if first_stats else None
     return CaseResult(name, label, mode, tokens, lnc, ok, err, ratio, modelled, statistics.median(times))

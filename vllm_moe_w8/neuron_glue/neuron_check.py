@@ -43,6 +43,17 @@ CASES = (  # (name, mode, tokens, subnormal codes)
     ("block prefill output-block", "output-block", 256, False),
     ("selective pow2, subnormal codes", "pow2", 8, True),
 )
+# GLM-5.3-Flash (issue #22): the seed's rank (TP=32/EP=32: 9 local experts, H 4096, I 2048) with the SwiGLU clamp,
+# against the float64 reference. Off Neuron scaled down (H 512, I 256, 3 experts) so the interpreter takes seconds.
+# The clamp must bind to be checked: random 0.02-sigma weights give gate/up a sigma of 0.02 sqrt(H) (1.3 at H 4096,
+# 0.45 at H 512), far below the model's swiglu_limit of 10 that real activations reach, so the check clamps at about
+# 0.6 sigma (a third or more of gate and up values clamped; tests/test_neuron_check.py checks it binds).
+GLM_LAYER = dict(hidden=4096, inter=2048, experts_neuron=9, top_k=8, swiglu_limit=0.8,
+                 cpu=dict(hidden=512, inter=256, experts=3, top_k=3, swiglu_limit=0.28))
+GLM_CASES = (  # (name, mode, tokens)
+    ("GLM-5.3-Flash selective pow2, swiglu_limit", "pow2", 8),
+    ("GLM-5.3-Flash block prefill pow2, swiglu_limit", "pow2", 256),
+)
 EXIT_OK, EXIT_FAILED, EXIT_NOT_NEURON = 0, 1, 2
 
 
@@ -169,6 +180,27 @@ def run_kernels(lnc: int, experts: int, device: str = "cpu") -> list[kernel_chec
     return results
 
 
+def glm_shape(on_neuron: bool) -> dict:
+    """The GLM case's layer: full GLM-5.3-Flash seed width on a Neuron host, scaled down on CPU."""
+    if on_neuron:
+        return {k: GLM_LAYER[k] for k in ("hidden", "inter", "top_k", "swiglu_limit")} | {"experts": GLM_LAYER["experts_neuron"]}
+    return dict(GLM_LAYER["cpu"])
+
+
+def run_glm_kernels(lnc: int, on_neuron: bool, device: str = "cpu") -> list[kernel_check.CaseResult]:
+    """The GLM cases: the served launch with the model's clamp vs the float64 reference (``kernel_check``'s gate)."""
+    import torch
+
+    g = glm_shape(on_neuron)
+    ckpt = kernel_check.checkpoint_experts(g["experts"], g["hidden"], g["inter"], seed=1)
+    layer = kernel_check.repacked(ckpt, "pow2")
+    backend_name, _ = compile_backend(device != "cpu")
+    return [kernel_check.run_case(name, None, mode, tokens, g["top_k"], lnc, seed=tokens, layer=layer,
+                                  repeats=3 if device != "cpu" else 1, swiglu_limit=g["swiglu_limit"], device=device,
+                                  compile_backend=backend_name, reference_dtype=torch.float64)
+            for name, mode, tokens in GLM_CASES]
+
+
 def format_results(results: list[kernel_check.CaseResult], on_neuron: bool) -> str:
     measured = "measured (device)" if on_neuron else "measured (interpreter wall, not device time)"
     head = f"{'kernel case':34s} {'T':>5s} {'LNC':>3s} {'max |err|':>10s} {'err/bound':>9s} {'pass':>4s} {'modelled':>10s}  {measured}"
@@ -198,7 +230,8 @@ def modelled_in_interpreter(lnc: int, experts: int) -> dict[str, float]:
     on a Neuron host the kernels in this process are bound to AWS's nki)."""
     code = ("import json, sys; from vllm_moe_w8.neuron_glue import neuron_check as c; "
             f"c.LAYER = {dict(LAYER)!r}; "
-            f"print(json.dumps({{r.name: r.modelled_s for r in c.run_kernels({lnc}, {experts})}}))")
+            f"rs = c.run_kernels({lnc}, {experts}) + c.run_glm_kernels({lnc}, True); "
+            "print(json.dumps({r.name: r.modelled_s for r in rs}))")
     env = dict(os.environ, VLLM_MOE_W8_NKI="interpreter")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
@@ -227,6 +260,10 @@ def run(lnc: int | None = None, experts: int | None = None, json_path: str | Non
           f"kernel_launch.run_routed_experts vs the fp32 reference (gate: {kernel_check.BOUND_SLACK} x 2^-9 x "
           "sum |W2| |act| w + 1e-6)")
     results = run_kernels(lnc, experts, device=device if on_neuron else "cpu")
+    g = glm_shape(on_neuron)
+    print(f"   + GLM-5.3-Flash: H {g['hidden']}, I {g['inter']}, {g['experts']} local experts, swiglu_limit "
+          f"{g['swiglu_limit']}, vs the float64 reference" + ("" if on_neuron else " (scaled down off Neuron)"))
+    results += run_glm_kernels(lnc, on_neuron, device=device if on_neuron else "cpu")
     if on_neuron:  # the device ran the kernels; the cost model needs the interpreter's counts of the same calls
         try:
             modelled = modelled_in_interpreter(lnc, experts)
