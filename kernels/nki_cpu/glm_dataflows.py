@@ -144,9 +144,8 @@ def _fused_block(pr: Dynamic, q: int, h: int, i: int, tiles: Tiles, scale_ops: b
         if scale_ops:
             pr.op("vector", "tensor_scalar", P, m, count=2 * ni)
             pr.op("vector", "scalar_tensor_tensor", P, m, count=2 * ni * (nh - 1))
-        else:  # fault model: the per-block scales dropped (the partials only summed)
+        else:  # fault model: the per-block scale step not counted (partials accumulated in PSUM, one evacuation each)
             pr.op("vector", "tensor_copy", P, m, count=2 * ni)
-            pr.op("vector", "tensor_tensor", P, m, count=2 * ni * (nh - 1))
         pr.op("vector", "tensor_scalar", P, m, count=3 * ni)  # clamp
         pr.op("scalar", "activation", P, m, count=ni)  # sigmoid
         pr.op("vector", "scalar_tensor_tensor", P, m, count=2 * ni)
@@ -160,7 +159,6 @@ def _fused_block(pr: Dynamic, q: int, h: int, i: int, tiles: Tiles, scale_ops: b
             pr.op("vector", "scalar_tensor_tensor", P, m, count=nh * (ni - 1))
         else:
             pr.op("vector", "tensor_copy", P, m, count=nh)
-            pr.op("vector", "tensor_tensor", P, m, count=nh * (ni - 1))
         for t0 in range(0, m, P):
             r = min(P, m - t0)
             pr.transpose(P, r, FP32, count=nh)

@@ -4,7 +4,8 @@
    model runner (generation); the registry entries neuron-w8 wraps (``neuron_glue.interfaces.TARGETS``, each
    wrapped / present / missing) and the models it leaves alone; the platform's quantization list; the LNC; where the kernels run.
 2. Kernels: one MoE layer per case (selective decode pow2 and output-block, dense all-expert decode pow2, block
-   prefill pow2 and output-block, and selective decode pow2 on FP8 subnormal codes) through ``kernel_launch.run_routed_experts`` compiled
+   prefill pow2 and output-block, selective decode pow2 on FP8 subnormal codes, and the GLM-5.3-Flash cases: selective
+   decode and block prefill with the SwiGLU clamp against the float64 reference, ``GLM_LAYER``) through ``kernel_launch.run_routed_experts`` compiled
    as vllm-neuron's runner compiles the model (``torch.compile(fullgraph=True, dynamic=False)``; on a Neuron host
    with vllm-neuron's compile backend, else "eager") - wrap_nki on a Neuron host, the interpreter elsewhere -
    against the fp32 reference, with the error, the gate (``kernel_check``), the cost model's per-call time and
