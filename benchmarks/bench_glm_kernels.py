@@ -92,11 +92,30 @@ def rows_per_expert(topk_ids: torch.Tensor, experts_local: int) -> list[int]:
     return [int((topk_ids == e).any(dim=1).sum()) for e in range(experts_local)]
 
 
-def fork(shape: dict, tokens: int, topk_ids: torch.Tensor, scale_ops: bool = True):
+SBUF_BYTES = 224 * 1024  # per partition
+
+
+def fork_dataflow(shape: dict, tokens: int) -> str:
+    """The fork's kernel for this call: GLM-5's selective kernel; GLM-5.3-Flash's decode kernel up to 64 tokens when
+    its tiles fit SBUF as declared, else its fused kernel."""
+    if shape["fork"] != "fused_fp8":
+        return shape["fork"]
+    if tokens <= glm_dataflows.EXPERT_DECODE_MAX_TOKENS and \
+            glm_dataflows.expert_decode_sbuf_bytes(tokens, shape["H"], shape["I"], shape["lnc"], shape["E"]) <= SBUF_BYTES:
+        return "expert_decode"
+    return "fused_fp8"
+
+
+def fork(shape: dict, tokens: int, topk_ids: torch.Tensor, scale_ops: bool = True, dataflow: str | None = None):
     """(dataflow name, per-program Stats, per-program weight bytes) of the fork's kernel at this routing."""
     rows = rows_per_expert(topk_ids, shape["E"])
     weights: list = []
-    if shape["fork"] == "fused_fp8":
+    dataflow = dataflow or fork_dataflow(shape, tokens)
+    if dataflow == "expert_decode":
+        routed = sum(r > 0 for r in rows)
+        return dataflow, glm_dataflows.expert_decode(routed, tokens, shape["H"], shape["I"], shape["E"], shape["lnc"],
+                                                     scale_ops, weights), weights
+    if dataflow == "fused_fp8":
         routed = [r for r in rows if r > 0] or [1]
         return "fused_fp8", glm_dataflows.fused_fp8(routed, shape["H"], shape["I"], shape["lnc"], scale_ops, weights), weights
     return "glm5_selective", glm_dataflows.glm5_selective(rows, tokens, shape["H"], shape["I"], scale_ops, weights), weights
@@ -134,6 +153,10 @@ def case(label: str, shape: dict, tokens: int, kw: host.KernelWeights) -> dict:
         p = priced(programs, sc)
         row[f"fork_{name}_us"], row[f"fork_{name}_bound"] = p["us"], p["bound"]
         row[f"fork/ours_{name}"] = row[f"fork_{name}_us"] / row[f"ours_{name}_us"]
+    if dataflow != "fused_fp8" and shape["fork"] == "fused_fp8":  # the fork's per-block kernel at the same call
+        _, fused, _ = fork(shape, tokens, topk_ids, dataflow="fused_fp8")
+        for name, sc in calibration.SCENARIOS.items():
+            row[f"fork_fused_{name}_us"] = priced(fused, sc)["us"]
     row["interp_s"] = time.perf_counter() - t0
     return row
 

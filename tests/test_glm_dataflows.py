@@ -63,6 +63,29 @@ def test_fused_fp8_reads_each_routed_experts_weights_exactly_once(rows):
     assert [s.matmul_count for s in programs] == [len(rows[p::2]) * passes * 3 * (h // 128) * (i // 128) for p in range(2)]
 
 
+def test_fused_fp8_scales_every_128x128_product_on_its_own_vector_instruction():
+    """The fork's own count (expert_decode.py @29a83ce, its docstring): the per-block path spends 384 VectorE scale
+    instructions per expert at I 512, H 4096 - 3 x (I/128) x (H/128), one per 128x128 product - at one row per block."""
+    (stats,) = gd.fused_fp8([1], 4096, 512, programs=1)
+    ni, nh = 512 // 128, 4096 // 128
+    scale_steps = stats.engine_ops[("vector", "tensor_scalar", 128, 1)] + stats.engine_ops[("vector", "scalar_tensor_tensor", 128, 1)]
+    swiglu = 3 * ni + 2 * ni  # the clamp's tensor_scalar and the SiLU/product scalar_tensor_tensor
+    assert scale_steps - swiglu == 384 == 3 * ni * nh
+
+
+@pytest.mark.parametrize("tokens,routed", [(1, 1), (8, 4), (64, 18)])
+def test_expert_decode_splits_each_experts_weights_over_the_two_programs(tokens, routed):
+    """The fork's decode kernel reads each routed expert's 3 H I bytes once in total, half per program, and visits
+    each routed expert once whatever T; over 64 tokens it is refused like the fork refuses it."""
+    h, i = 4096, 512
+    weights: list = []
+    programs = gd.expert_decode(routed, tokens, h, i, 18, 2, weight_bytes=weights)
+    assert weights == [routed * 3 * h * i // 2] * 2
+    assert all(s.dynamic_iterations == routed and s.matmul_count >= routed * 3 * (h // 128) * (i // 128) // 2 for s in programs)
+    with pytest.raises(ValueError, match="1..64 tokens"):
+        gd.expert_decode(1, 65, h, i, 18)
+
+
 def test_select_tiles_gives_the_decode_geometry_the_fork_dispatches_on():
     """The fork's launcher sends tiles (1, 4096, 4096) at 18 experts x I 512, one row per block, to its compact decode
     kernel (fused_fp8.py, DEVELOPING.md's table): the restated policy must produce exactly that geometry."""

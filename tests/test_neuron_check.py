@@ -19,6 +19,9 @@ SMALL = dict(hidden=256, inter=256, experts_neuron=4, experts_cpu=3, top_k=4)  #
 @pytest.fixture
 def small_layer(monkeypatch):
     monkeypatch.setattr(neuron_check, "LAYER", SMALL)
+    # the GLM case's Neuron-host width too (its CPU width is already small): a child priced "as on Neuron" stays quick
+    monkeypatch.setattr(neuron_check, "GLM_LAYER", neuron_check.GLM_LAYER | dict(hidden=512, inter=256, experts_neuron=3, top_k=3,
+                                                                              swiglu_limit=0.28))
     kernel_launch.backend.cache_clear()
     yield
     kernel_launch.backend.cache_clear()
@@ -145,7 +148,7 @@ def test_modelled_times_come_from_an_interpreter_child_process(small_layer):
     """What a Neuron host uses to price the kernels it ran on the device: a child process forced onto the
     interpreter (here for real, at the small layer) gives every case a positive cost-model time."""
     modelled = neuron_check.modelled_in_interpreter(lnc=2, experts=2)
-    assert set(modelled) == {c[0] for c in neuron_check.CASES} and all(v > 0 for v in modelled.values())
+    assert set(modelled) == {c[0] for c in neuron_check.CASES + neuron_check.GLM_CASES} and all(v > 0 for v in modelled.values())
 
 
 def test_forcing_the_interpreter_is_explicit_and_logged(monkeypatch, caplog):

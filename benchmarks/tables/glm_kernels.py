@@ -8,11 +8,17 @@ from pathlib import Path
 
 from benchmarks.readme_tables import markdown_table
 
-FORK = {"fused_fp8": "fused FP8 (`moe_fused_fp8_kernel`)", "glm5_selective": "selective block FP8 (`block_fp8_moe.py`)"}
+FORK = {"fused_fp8": "fused FP8 (`moe_fused_fp8_kernel`)", "expert_decode": "decode (`expert_decode_kernel`)",
+        "glm5_selective": "selective block FP8 (`block_fp8_moe.py`)"}
 
 
 def _us(r: dict, side: str, sc: str) -> str:
     return f"{r[f'{side}_{sc}_us']:,.0f} ({r[f'{side}_{sc}_bound']})"
+
+
+def _fused(data: dict) -> str:
+    return ", ".join(f"{r['shape'].split(' ', 1)[1]} T={r['T']} {r['fork_fused_fitted_us']:,.0f} / {r['fork_fused_documented_us']:,.0f} us"
+                     for r in data["rows"] if "fork_fused_fitted_us" in r)
 
 
 def render(results_dir: Path) -> str:
@@ -35,6 +41,8 @@ def render(results_dir: Path) -> str:
             "(bound: the lane that decides), not measurements. neuron-w8: the launch `run_routed_experts` makes (kernel "
             f"per scenario: selective up to T = {data['selective_max_tokens']}, dense up to 128, block prefill beyond; pow2 "
             f"engine schedule {data['schedules']}), counted by the interpreter. Fork: its kernels restated as counters "
-            "(`kernels/nki_cpu/glm_dataflows.py`: files and commits read, and what is assumed). Uniform top-8 routing over "
+            "(`kernels/nki_cpu/glm_dataflows.py`: files and commits read, and what is assumed); GLM-5.3-Flash: its decode kernel "
+            "for T <= 64 where that kernel's tiles fit 224 KiB of SBUF per partition as declared, else its fused kernel "
+            f"(the fused kernel at the decode rows: {_fused(data)}). Uniform top-8 routing over "
             "all experts (seed T), the same for both; GLM-5.3-Flash with its swiglu_limit. Counted on "
             f"{m['cpu_model']} (load {m['loadavg_1_5_15'][0]:.1f}).\n")

@@ -10,6 +10,9 @@ fork jinhuang12/vllm-neuron, read with the search tools at these file versions (
   geometry (LNC=2, hidden [2, 4096], row_ids [8, 1], 18 experts, I 512, tiles (1, 4096, 4096)) to
   ``compact_decode_kernel`` (``moe_fused_fp8_decode.py`` @3579cafd615119c9b97d547654c3bf5349572dbd), whose per-block
   body is the same as the fused kernel's with BLOCK_M = 1.
+* GLM-5.3-Flash decode, T <= 64: that later ``fused_fp8.py`` also has ``fused_fp8_decode_experts`` ->
+  ``expert_decode_kernel`` (``expert_decode.py`` @29a83ce7bd247ec07a8f8a61e95d429980655036), which its docstring
+  introduces as the replacement of the per-block decode path (:func:`expert_decode`).
 * GLM-5 (``glm_moe_dsa``): ``vllm_neuron/model/glm_moe_dsa/block_fp8_moe.py`` @7d004450b61cf529ca3961e2671c5c73de3c9a96
   (``_selective_block_fp8_moe_nki``), dispatched by ``moe.py`` @a800e8413b98ec3aa4b056d463f832c2ab617329
   (``_block_fp8_nki``: block size 128, tokens padded to a multiple of 128, at least 128).
@@ -26,6 +29,14 @@ the tokens moving (N = the block's rows, at most BLOCK_M); each 128x128 partial 
 the clamp (3 ``tensor_scalar``), sigmoid on ScalarE, two ``scalar_tensor_tensor`` and a bf16 copy per I-block;
 the output transposed back (fp32, H/128 transposes), scaled by the affinity and written [r, H] fp32 per block (the
 caller combines the blocks).
+
+**GLM-5.3-Flash decode kernel** (:func:`expert_decode`). No block mapping: each program reads this rank's [T, E]
+affinities, visits each routed local expert once (a register-driven loop) and streams all T tokens through it
+(N = T); program c takes half of the intermediate blocks (half the weight bytes), the 128x128 products of one PSUM
+bank are scaled by one VectorE ``tensor_tensor`` and summed over the hidden blocks by one ``tensor_reduce``; the
+two programs add their partial sums once (``sendrecv``) and each stores half of H. As declared its weight panels and
+product tiles of one expert are live together: :func:`expert_decode_sbuf_bytes` exceeds the 224 KiB per partition at
+the seed's I = 2048 per rank (the bench then prices the fused kernel there).
 
 **GLM-5 selective kernel** (:func:`glm5_selective`). Both programs run the same control flow: a 4-phase static
 loop over the 4 local experts, each a dynamic loop over that expert's active 128-row blocks (register from a
@@ -46,7 +57,11 @@ descriptor, a vector offset one per row. **Assumed, not read**: that the DMA's F
 beyond the bytes read (1 per weight); that the GLM-5.3-Flash caller gives each routed local expert one block whose
 rows are the most any of them receives (``q``; the fork's caller was not read for T > 1, and at T = 1 this is its
 registered decode geometry: one row per block); ``core_barrier``, ``iota``/scan prologues and the compact decode's
-active-block ordering are not counted (a few dozen one-element instructions).
+active-block ordering are not counted (a few dozen one-element instructions); the decode kernel's ``sendrecv`` is one
+on-chip DMA, its ``nonzero_with_count`` one VectorE instruction (the source names no engine), and whether its tiles
+fit SBUF is judged from their declared sizes (:func:`expert_decode_sbuf_bytes`); the GLM-5 block mapping's size N
+is nkilib's static capacity (:func:`glm5_blocks`; it only sizes a few one-row instructions) and its active blocks
+per expert ceil(routed rows / 128).
 """
 
 from __future__ import annotations
@@ -278,3 +293,85 @@ def glm5_selective(rows_per_expert: list[int], tokens: int, h: int, i: int, scal
             weight_bytes.append(pr.weight_read_bytes)
     return out
 
+
+
+EXPERT_DECODE_MAX_TOKENS = 64  # the fork's decode route serves 1..64 tokens in one launch
+PSUM_BANK_FP32 = 512
+
+
+def expert_decode_sbuf_bytes(tokens: int, h: int, i: int, programs: int = 2, experts_local: int = 18) -> int:
+    """Per-partition SBUF of the decode kernel's tiles that are live during one expert's visit, as declared (bf16 weight
+    panels of its I half, its scales, the fp32 product tiles, x^T, the accumulator, the broadcast gate weights);
+    assumed: the compiler does not split them further."""
+    nh, nic = h // P, i // P // programs
+    panels = 3 * nic * nh * P * 2
+    scales = 3 * nic * nh * 4
+    products = (2 * nic * nh + 2 * nh * nic) * tokens * 4  # scaled gate/up, down weights and terms
+    return panels + scales + products + nh * tokens * (2 + 4) + tokens * experts_local * 4
+
+
+def expert_decode(routed_experts: int, tokens: int, h: int, i: int, experts_local: int, programs: int = 2,
+                  scale_ops: bool = True, weight_bytes: list | None = None) -> list[Stats]:
+    """Per-program Stats of the fork's ``expert_decode_kernel`` (``expert_decode.py`` @29a83ce; GLM-5.3-Flash decode,
+    T <= 64): every program visits each routed local expert once (a register-driven loop), computes its half of the
+    intermediate blocks over all T tokens (weights stationary, N = T), applies the block scales one PSUM bank of
+    products at a time (one ``tensor_tensor`` per bank, one ``tensor_reduce`` over the hidden blocks), the programs
+    exchange their partial sums once (``sendrecv``, counted as one on-chip DMA) and store half of H each."""
+    if not 1 <= tokens <= EXPERT_DECODE_MAX_TOKENS:
+        raise ValueError(f"the fork's decode kernel serves 1..{EXPERT_DECODE_MAX_TOKENS} tokens, got {tokens}")
+    nh, ni = h // P, i // P
+    nic, own = ni // programs, nh // programs
+    per_bank = max(1, PSUM_BANK_FP32 // tokens)
+    out = []
+    for _prog in range(programs):
+        pr = Dynamic()
+        pr.dma(4, 4)  # rank
+        pr.op("vector", "tensor_scalar", 1, 1)
+        pr.stats.register_loads += 1
+        pr.dma_indirect(tokens * experts_local * 4, experts_local * 4, "scalar")  # this group's affinities
+        pr.op("vector", "tensor_reduce", 1, tokens * experts_local)
+        pr.op("vector", "nonzero_with_count", 1, experts_local)  # engine not stated in the source: assumed VectorE
+        pr.stats.register_loads += 1
+        pr.op("vector", "memset", 1, P)
+        for c0 in range(0, tokens * experts_local, PSUM_BANK_FP32):  # gate weights broadcast by a K=1 product
+            cn = min(PSUM_BANK_FP32, tokens * experts_local - c0)
+            pr.matmul(P, cn, FP32, FP32, k=1)
+            pr.op("vector", "tensor_copy", P, cn)
+        chunk = max(1, P // nh)
+        for t0 in range(0, tokens, chunk):  # x^T
+            nt = min(chunk, tokens - t0)
+            pr.dma(nt * h * 2, nt * h * 2)
+            pr.transpose(nt * nh, P, BF16)
+            pr.op("vector", "tensor_copy", P, nt * nh)
+        pr.dma(P * 3 * 4, 3 * 4)  # SwiGLU bounds
+        pr.op("vector", "memset", P, nh * tokens)
+        pr.loop(routed_experts)
+        for _ in range(routed_experts):
+            pr.op("vector", "tensor_copy", 1, 1)
+            pr.stats.register_loads += 1
+            pr.dma_indirect(P * 3 * nic * nh * 4, nic * nh * 4, "scalar")  # this program's scale rows, broadcast
+            pr.weights(P * h, h, count=3 * nic, kind="scalar")  # gate, up, down panels of its I half
+            pr.op("vector", "tensor_copy", P, tokens)
+            for slots in (2 * nic * nh, nh * nic):  # gate/up, then down
+                pr.matmul(P, tokens, BF16, BF16, count=slots)
+                for s0 in range(0, slots, per_bank):
+                    sn = min(per_bank, slots - s0)
+                    if scale_ops:  # one multiply by the broadcast block scales per PSUM bank of products
+                        pr.op("vector", "tensor_tensor", P, sn * tokens)
+                pr.op("vector", "tensor_reduce", P, slots * tokens)
+                if slots == 2 * nic * nh:
+                    pr.op("vector", "tensor_scalar", P, nic * tokens, count=2)  # clamp
+                    pr.op("scalar", "activation", P, nic * tokens)  # sigmoid
+                    pr.op("vector", "tensor_tensor", P, nic * tokens, count=2)
+                    pr.op("vector", "tensor_tensor", P, nh * nic * tokens)  # down scale x gate weight
+            pr.op("vector", "tensor_tensor", P, nh * tokens)  # accumulate
+        if programs == 2:
+            pr.on_chip_dma()  # sendrecv of the other half
+            pr.op("vector", "tensor_tensor", P, own * tokens)
+        pr.transpose(P, tokens, FP32, count=own)
+        pr.op("vector", "tensor_copy", tokens, 4 * P, count=-(-own // 4))
+        pr.dma(tokens * own * P * 2, own * P * 2, write=True)
+        out.append(pr.stats)
+        if weight_bytes is not None:
+            weight_bytes.append(pr.weight_read_bytes)
+    return out

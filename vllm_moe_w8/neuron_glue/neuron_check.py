@@ -230,7 +230,7 @@ def modelled_in_interpreter(lnc: int, experts: int) -> dict[str, float]:
     """Cost-model time per case, counted by the interpreter in a child process (``VLLM_MOE_W8_NKI=interpreter``:
     on a Neuron host the kernels in this process are bound to AWS's nki)."""
     code = ("import json, sys; from vllm_moe_w8.neuron_glue import neuron_check as c; "
-            f"c.LAYER = {dict(LAYER)!r}; "
+            f"c.LAYER = {dict(LAYER)!r}; c.GLM_LAYER = {dict(GLM_LAYER)!r}; "
             f"rs = c.run_kernels({lnc}, {experts}) + c.run_glm_kernels({lnc}, True); "
             "print(json.dumps({r.name: r.modelled_s for r in rs}))")
     env = dict(os.environ, VLLM_MOE_W8_NKI="interpreter")
