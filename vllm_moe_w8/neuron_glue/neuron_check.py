@@ -204,11 +204,12 @@ def run_glm_kernels(lnc: int, on_neuron: bool, device: str = "cpu") -> list[kern
 
 def format_results(results: list[kernel_check.CaseResult], on_neuron: bool) -> str:
     measured = "measured (device)" if on_neuron else "measured (interpreter wall, not device time)"
-    head = f"{'kernel case':34s} {'T':>5s} {'LNC':>3s} {'max |err|':>10s} {'err/bound':>9s} {'pass':>4s} {'modelled':>10s}  {measured}"
+    w = max([34] + [len(r.name) for r in results])
+    head = f"{'kernel case':{w}s} {'T':>5s} {'LNC':>3s} {'max |err|':>10s} {'err/bound':>9s} {'pass':>4s} {'modelled':>10s}  {measured}"
     lines = [head]
     for r in results:
         modelled = f"{r.modelled_s * 1e3:.3f} ms" if r.modelled_s is not None else "n/a"
-        lines.append(f"{r.name:34s} {r.tokens:5d} {r.lnc:3d} {r.max_abs_err:10.3g} {r.err_over_bound:9.3f} "
+        lines.append(f"{r.name:{w}s} {r.tokens:5d} {r.lnc:3d} {r.max_abs_err:10.3g} {r.err_over_bound:9.3f} "
                      f"{'yes' if r.passed else 'NO':>4s} {modelled:>10s}  {r.measured_s * 1e3:.1f} ms")
     return "\n".join(lines)
 
