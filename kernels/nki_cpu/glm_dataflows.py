@@ -36,7 +36,7 @@ affinities, visits each routed local expert once (a register-driven loop) and st
 bank are scaled by one VectorE ``tensor_tensor`` and summed over the hidden blocks by one ``tensor_reduce``; the
 two programs add their partial sums once (``sendrecv``) and each stores half of H. As declared its weight panels and
 product tiles of one expert are live together: :func:`expert_decode_sbuf_bytes` exceeds the 224 KiB per partition at
-the seed's I = 2048 per rank (the bench then prices the fused kernel there).
+the seed's I = 2048 per rank from T = 8 on (199 KiB at T = 1; the bench then prices the fused kernel there).
 
 **GLM-5 selective kernel** (:func:`glm5_selective`). Both programs run the same control flow: a 4-phase static
 loop over the 4 local experts, each a dynamic loop over that expert's active 128-row blocks (register from a
