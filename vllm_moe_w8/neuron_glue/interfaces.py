@@ -66,7 +66,21 @@ QWEN3_5_MOE = MoeTarget(
     block_methods=("_shared_expert", "_combine"),
 )
 
-TARGETS = (QWEN3_MOE, QWEN3_5_MOE)
+# GLM routed-expert banks (fork jinhuang12/vllm-neuron): a module whose forward takes this rank's tokens and the
+# router's affinities over ALL experts [T, E] and returns this rank's routed sum [T, H]; adopted by
+# neuron_glue.glm_experts (the router, the shared expert and the collectives stay the fork's).
+GLM5_NEXT = MoeTarget(
+    kind="glm5_next",
+    architectures=("Glm5NextForConditionalGeneration",),
+    factory=("vllm_neuron.model.glm5_next", "Glm5NextForConditionalGeneration"),
+    block=("vllm_neuron.model.glm5_next.model_fp8", "Glm5NextRoutedExperts"),
+    block_attrs=("num_routed_experts", "num_experts_per_tok", "tp_degree", "ep_degree", "num_local_experts",
+                 "swiglu_limit", "router_weight", "router_bias"),
+    bf16_params=("gate_proj_weight", "up_proj_weight", "down_proj_weight"),  # the fork's FP8 bank (declared)
+    block_methods=("route_tokens", "prepare_scale_operands", "local_expert_indices"),
+)
+
+TARGETS = (QWEN3_MOE, QWEN3_5_MOE, GLM5_NEXT)
 
 # Architectures of checkpoints neuron-w8 supports whose experts it does not replace under vllm-neuron: why, and
 # what to use instead (refused at start-up by resolve_target; sources in DEVELOPING.md, "vllm-neuron interfaces").
@@ -80,8 +94,6 @@ NOT_REPLACED = {
                              "own model classes (the vLLM-generic path)",
     "GlmMoeDsaForCausalLM": "vllm-neuron's GLM-5 model (fork jinhuang12/vllm-neuron, model/glm_moe_dsa) runs its own "
                             "block-FP8 expert kernel; serve it without --quantization neuron-w8",
-    "Glm5NextForConditionalGeneration": "vllm-neuron's GLM-5.3-Flash model (fork jinhuang12/vllm-neuron, model/glm5_next) "
-                                        "runs nkilib's blockwise FP8 MoE kernels itself; serve it without --quantization neuron-w8",
 }
 
 # Present only in the dense-only Qwen3.5 generation: what composing our MoE block would need from it.
