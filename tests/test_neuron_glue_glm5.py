@@ -232,6 +232,10 @@ def test_compiled_model_traces_whole_matches_reference_and_does_not_recompile(gl
     graphs = len(rec.graphs)
     assert graphs == world * len(cases), "one graph per rank and shape: no graph break, no extra compile"
     assert all(rec.kernels(g) == ["moe_w8_blocks_pow2"] for g in rec.graphs), [rec.kernels(g) for g in rec.graphs]
+    launch_inputs = [t.meta["example_value"].dtype for g in rec.graphs for n in g.graph.nodes if n.op == "call_function"
+                     and n.target in (torch.ops.moe_w8.nki_interpreted, torch.ops.moe_w8.nki_interpreted.default)
+                     for t in n.args[2]]
+    assert torch.uint8 in launch_inputs and torch.float8_e4m3fn not in launch_inputs, "expert bytes enter as uint8"
     second = run(100, error_on_recompile=True)  # same shapes, other hidden states: another routing
     assert len(rec.graphs) == graphs, "a second routing of the same shape compiled again"
     for outs, seed in ((first, 1), (second, 100)):
@@ -397,3 +401,31 @@ def test_cpu_compile_traces_on_meta(glue, monkeypatch, ckpt):
         out = model(x, torch.empty(n, dtype=torch.long, device="meta"), decode)
         assert out.device.type == "meta" and out.shape == (1, n, SIZES["hidden_size"])
     assert len(rec.graphs) == 4
+
+
+def test_without_the_accounting_hook_the_fork_refuses_the_load(glue, monkeypatch, ckpt):
+    """Why account_routed_experts exists (its fault twin): the fork's load_weights refuses a mapping that leaves this
+    rank's routed-expert keys unaccounted, and names them."""
+    import dataclasses
+
+    from vllm_moe_w8.neuron_glue import glm_experts
+
+    bank = glm_experts.BANKS["glm_moe_dsa"]
+    monkeypatch.setitem(glm_experts.BANKS, "glm_moe_dsa", dataclasses.replace(bank, prepare_model=None))
+    _, one = build(glue, monkeypatch, ckpt, 2, compile=False)
+    with pytest.raises(ValueError, match=r"does not exactly account .*missing=\['model\.layers\.1\.mlp\.experts\.[0-7]\."):
+        st.run_ranks(2, one)
+
+
+def test_a_bank_placed_otherwise_is_refused_naming_the_fork(glue, monkeypatch, ckpt):
+    """The loader reads experts [r*L, (r+1)*L); a bank whose global_expert_ids differ (a fork that moved its
+    placement) is refused at adoption, naming the fork commit read."""
+    from vllm_neuron.model.glm_moe_dsa import moe
+
+    from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
+
+    monkeypatch.setattr(moe.GlmMoeDsaRoutedExperts, "global_expert_ids",
+                        property(lambda self: tuple(range(self.num_local_experts))[::-1]))
+    _, one = build(glue, monkeypatch, ckpt, 1, compile=False)
+    with pytest.raises(NeuronGlueError, match=r"not the linear placement .*@02ef711"):
+        st.run_ranks(1, one)
