@@ -291,11 +291,29 @@ def test_threaded_load_places_and_keeps_experts_exactly(glue, monkeypatch, ckpt,
         assert sorted({g for g, _ in stored}) == list(range(rank * local, (rank + 1) * local))
         for (g, proj), got in stored.items():
             assert inexact_values(got, tensors, f"model.layers.{MOE_LAYER}.mlp.experts.{g}.{proj}.weight") == 0, (rank, g, proj)
-        shared = model.model.layers[MOE_LAYER].mlp.shared_experts.gate_proj
-        name = f"model.layers.{MOE_LAYER}.mlp.shared_experts.gate_proj.weight"
-        rows = SIZES["moe_intermediate_size"] // world
-        want = (tensors[name][rank * rows: (rank + 1) * rows].float() * FORK_STORAGE).to(torch.float8_e4m3fn)
-        assert shared.weight.dtype == torch.float8_e4m3fn and torch.equal(shared.weight.view(torch.uint8), want.view(torch.uint8))
+        assert not fork_bytes_differ(model, tensors, rank, world), rank
+
+
+def fork_bytes_differ(model, t, rank, world) -> bool:
+    """The gate on the fork's own FP8 tensors: the shared expert's gate shard holds exactly the fork's storage of the
+    checkpoint bytes (its 240/448 loader on the raw bytes, computed here by torch's float8 cast)."""
+    shared = model.model.layers[MOE_LAYER].mlp.shared_experts.gate_proj
+    name = f"model.layers.{MOE_LAYER}.mlp.shared_experts.gate_proj.weight"
+    rows = SIZES["moe_intermediate_size"] // world
+    want = (t[name][rank * rows: (rank + 1) * rows].float() * FORK_STORAGE).to(torch.float8_e4m3fn)
+    return shared.weight.dtype != torch.float8_e4m3fn or not torch.equal(shared.weight.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_fault_twin_the_dequantising_hook_would_corrupt_the_forks_own_fp8(glue, monkeypatch, ckpt, tensors):
+    """Why GLM-5 loads without neuron-w8's dequantising slice hook: with it active, the fork's FP8 loader gets
+    already-dequantised values and stores other bytes (the gate above refuses them)."""
+    from vllm_moe_w8.neuron_glue import model_load
+
+    real = model_load.wrap
+    monkeypatch.setattr(model_load, "wrap", lambda *a, dequantise_non_experts=True, **k: real(*a, **k, dequantise_non_experts=True))
+    _, one = build(glue, monkeypatch, ckpt, 1, compile=False)
+    (model,) = st.run_ranks(1, one)
+    assert fork_bytes_differ(model, tensors, 0, 1)
 
 
 def test_exactness_gate_fault_twins(glue, monkeypatch, ckpt, tensors):
