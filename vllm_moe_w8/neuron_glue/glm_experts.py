@@ -183,6 +183,7 @@ class BankAdoption:
     swiglu_limit: Callable  # bank -> float (0: no clamp)
     top_k: Callable  # bank -> int
     release: Callable = release_declared  # (bank, target) -> None
+    prepare_model: Callable | None = None  # (model, [(name, adopted bank)], architecture) -> None, after adoption
 
 
 BANKS: dict[str, BankAdoption] = {

@@ -21,6 +21,7 @@ import logging
 
 from vllm_moe_w8.about import QUANTIZATION_NAME
 from vllm_moe_w8.neuron_glue import experts, glm_experts, interfaces, loaders, model_load, settings
+from vllm_moe_w8.neuron_glue import glm_moe_dsa  # noqa: F401  (adds GLM-5's bank to glm_experts.BANKS)
 from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
 
 logger = logging.getLogger("vllm.neuron_w8")
@@ -89,6 +90,8 @@ REGISTERED_IN = {
                            "jinhuang12/vllm-neuron and whn09/vllm-neuron list no Qwen3MoeForCausalLM, although "
                            "upstream has model/qwen3_moe/)",
     "Qwen3_5MoeForConditionalGeneration": "whn09/vllm-neuron model/registry.py @3de9ea3",
+    "GlmMoeDsaForCausalLM": "jinhuang12/vllm-neuron model/registry.py @3a1e231 (not @83b3499, which lists "
+                            "DeepseekV4ForCausalLM instead)",
     "Glm5NextForConditionalGeneration": "none of the trees read registers it (jinhuang12/vllm-neuron model/registry.py "
                                         "@83b3499 lists no GLM model, although model/glm5_next/ exports its factory)",
 }
@@ -181,6 +184,9 @@ def convert_model(model, vllm_config):
         plans.append(glm_experts.rank_plan(block, target, model_config.hf_config) if bank else rank_plan(block, target))
         plans[-1].validate(name)
         (glm_experts if bank else experts).adopt(block, target, name, plans[-1], cfg, arch)
+    prepare = glm_experts.BANKS[target.kind].prepare_model if bank else None
+    if prepare is not None:
+        prepare(model, blocks, arch)
     # the GLM models load their own FP8 non-expert tensors (bytes + scales): no dequantising hook for them
     model_load.wrap(model, arch, cfg, dtype=model_config.dtype, dequantise_non_experts=not bank)
     logger.info(
