@@ -27,7 +27,7 @@ import _neuron_standin as st
 from test_neuron_glue_experts import OUTPUT_BLOCK_REL_TOL, REL_TOL
 
 WORLD = 2
-T_DECODE, T_DENSE = 6, 64  # the selective block kernel; the dense kernel (host_routed.schedule_for)
+T_DECODE, T_DENSE, T_PREFILL = 6, 64, 160  # selective block kernel, dense kernel, block prefill (host_routed.schedule_for)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_rank_loop_matches_reference_and_fault_twins_fail(glue, ckpt, tensors, e
 
     state, models = load_ranks(ckpt, glue, ep, compile=False)
     assert all(isinstance(b, glm_experts.W8Glm5NextRoutedExperts) for layer in (0, 1) for b in banks(models, layer))
-    for tokens in (T_DECODE, T_DENSE):
+    for tokens in (T_DECODE, T_DENSE, T_PREFILL):
         x = g.hidden(tokens, tokens)
         assert within_gate(run(models, state, x, ep), tensors, x), (ep, tokens)
     # the sum over ranks of the bank's own partial sums == the routed part of the reference
