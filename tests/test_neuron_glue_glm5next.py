@@ -328,3 +328,22 @@ def test_top_k_of_scattered_affinities():
     local = torch.tensor([[0.0, 0.7, 0.0, 0.2], [0.0, 0.0, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0]])
     w, ids = glm_experts.topk_of_affinities(local, 2)
     assert ids.tolist() == [[1, 3], [-1, -1], [0, -1]] and torch.allclose(w, torch.tensor([[0.7, 0.2], [0, 0], [0.5, 0]]))
+
+
+def test_registration_resolves_glm5next_and_refuses_an_unlisting_registry(glue, ckpt, monkeypatch):
+    """No longer in NOT_REPLACED: the architecture resolves to the fork's bank; a registry without it is refused
+    naming the fork registries read."""
+    from vllm_neuron.model import registry
+
+    from vllm_moe_w8.neuron_glue import interfaces, registration
+    from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
+
+    assert g.ARCH not in interfaces.NOT_REPLACED
+    target, _, block = interfaces.resolve_target(g.ARCH)
+    assert target is interfaces.GLM5_NEXT and block.__name__ == "Glm5NextRoutedExperts"
+    config = st.vllm_config(ckpt)
+    registration._precheck_config(config)  # the stand-in's registry lists it
+    real = registry.get_models
+    monkeypatch.setattr(registry, "get_models", lambda: [(a, c) for a, c in real() if a != g.ARCH])
+    with pytest.raises(NeuronGlueError, match=r"Glm5NextForConditionalGeneration: .*does not list it.*@83b3499 and @3a1e231"):
+        registration._precheck_config(config)
