@@ -27,7 +27,7 @@ import _neuron_standin as st
 from test_neuron_glue_experts import OUTPUT_BLOCK_REL_TOL, REL_TOL
 
 WORLD = 2
-T_DECODE, T_DENSE = 6, 64  # the selective block kernel; the dense kernel (host_routed.schedule_for)
+T_DECODE, T_DENSE, T_PREFILL = 6, 64, 160  # selective block kernel, dense kernel, block prefill (host_routed.schedule_for)
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +88,12 @@ def banks(models, layer=0):
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp2", "ep2"])
-def test_rank_loop_matches_reference_and_fault_twins_fail(glue, ckpt, tensors, ep):
+def test_rank_loop_matches_reference(glue, ckpt, tensors, ep):
     from vllm_moe_w8.neuron_glue import glm_experts
 
     state, models = load_ranks(ckpt, glue, ep, compile=False)
     assert all(isinstance(b, glm_experts.W8Glm5NextRoutedExperts) for layer in (0, 1) for b in banks(models, layer))
-    for tokens in (T_DECODE, T_DENSE):
+    for tokens in (T_DECODE, T_DENSE, T_PREFILL):
         x = g.hidden(tokens, tokens)
         assert within_gate(run(models, state, x, ep), tensors, x), (ep, tokens)
     # the sum over ranks of the bank's own partial sums == the routed part of the reference
@@ -112,9 +112,18 @@ def test_rank_loop_matches_reference_and_fault_twins_fail(glue, ckpt, tensors, e
             mine = range(rank * 4, rank * 4 + 4)
             assert st.rel_err(part, g.reference_layer(tensors, 0, x, shared=False, experts=mine)) <= REL_TOL
 
-    # ---- fault twins: each must fail the same gate --------------------------------------------------------------
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "ep2"])
+def test_fault_twins_fail_the_same_gate(glue, ckpt, tensors, ep):
+    from vllm_moe_w8.neuron_glue import glm_experts
+
+    state, models = load_ranks(ckpt, glue, ep, compile=False)
+    x = g.hidden(T_DECODE, 3)
+    aff = g.route(tensors, 0, x)
+    unfaulted = run(models, state, x, ep)
+    assert within_gate(unfaulted, tensors, x)
     assert g.clamped_fraction(tensors, 0, x) > 0.1, "precondition: the SwiGLU bound changes many pre-activations"
-    assert not within_gate(run(models, state, x, ep), tensors, x, limit=None), "reference without the clamp differs"
+    assert not within_gate(unfaulted, tensors, x, limit=None), "precondition: an unclamped reference differs"
     saved = [b.w8_settings for b in banks(models)]
     for b in banks(models):  # swiglu_limit ignored by the adopted experts
         b.w8_settings = dataclasses.replace(b.w8_settings, swiglu_limit=0.0)
@@ -328,3 +337,22 @@ def test_top_k_of_scattered_affinities():
     local = torch.tensor([[0.0, 0.7, 0.0, 0.2], [0.0, 0.0, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0]])
     w, ids = glm_experts.topk_of_affinities(local, 2)
     assert ids.tolist() == [[1, 3], [-1, -1], [0, -1]] and torch.allclose(w, torch.tensor([[0.7, 0.2], [0, 0], [0.5, 0]]))
+
+
+def test_registration_resolves_glm5next_and_refuses_an_unlisting_registry(glue, ckpt, monkeypatch):
+    """No longer in NOT_REPLACED: the architecture resolves to the fork's bank; a registry without it is refused
+    naming the fork registries read."""
+    from vllm_neuron.model import registry
+
+    from vllm_moe_w8.neuron_glue import interfaces, registration
+    from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
+
+    assert g.ARCH not in interfaces.NOT_REPLACED
+    target, _, block = interfaces.resolve_target(g.ARCH)
+    assert target is interfaces.GLM5_NEXT and block.__name__ == "Glm5NextRoutedExperts"
+    config = st.vllm_config(ckpt)
+    registration._precheck_config(config)  # the stand-in's registry lists it
+    real = registry.get_models
+    monkeypatch.setattr(registry, "get_models", lambda: [(a, c) for a, c in real() if a != g.ARCH])
+    with pytest.raises(NeuronGlueError, match=r"Glm5NextForConditionalGeneration: .*does not list it.*@83b3499 and @3a1e231"):
+        registration._precheck_config(config)

@@ -39,6 +39,8 @@ from vllm_moe_w8.neuron_glue.interfaces import MoeTarget, NeuronGlueError
 from vllm_moe_w8.neuron_glue.loaders import RankPlan
 
 PARALLEL_STATE = "vllm_neuron.parallel.neuron_parallel_state"
+GLM5_NEXT_SOURCE = ("fork jinhuang12/vllm-neuron model/glm5_next (factory.py @382091c, model_fp8.py @77c1abaa and its later "
+                    "stored version; DEVELOPING.md, 'vllm-neuron interfaces we use')")
 
 
 def local_affinities(affinities: torch.Tensor, plan: RankPlan, rank=None) -> torch.Tensor:
@@ -143,7 +145,8 @@ def glm5_next_plan(bank, sizes: Sizes, ps=None) -> RankPlan:
     """This rank's experts and intermediate slice in the fork's layout (module docstring), checked against the bank."""
     ps = _parallel_state() if ps is None else ps
     num, ep, world = int(bank.num_routed_experts), int(bank.ep_degree), int(bank.tp_degree)
-    where = f"neuron-w8 on Neuron: Glm5NextRoutedExperts ({num} experts, tp_degree {world}, ep_degree {ep})"
+    where = (f"neuron-w8 on Neuron: Glm5NextRoutedExperts ({num} experts, tp_degree {world}, ep_degree {ep}; written "
+             f"against the {GLM5_NEXT_SOURCE})")
     if ep < 1 or world % ep or num % ep:
         raise NeuronGlueError(f"{where}: ep_degree must divide both the world size and the experts")
     shards = world // ep

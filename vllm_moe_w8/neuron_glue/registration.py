@@ -93,7 +93,8 @@ REGISTERED_IN = {
     "GlmMoeDsaForCausalLM": "jinhuang12/vllm-neuron model/registry.py @3a1e231 (not @83b3499, which lists "
                             "DeepseekV4ForCausalLM instead)",
     "Glm5NextForConditionalGeneration": "none of the trees read registers it (jinhuang12/vllm-neuron model/registry.py "
-                                        "@83b3499 lists no GLM model, although model/glm5_next/ exports its factory)",
+                                        "@83b3499 and @3a1e231 do not list it, although model/glm5_next/__init__.py "
+                                        "@b097661 exports its factory)",
 }
 REGISTRY = ("vllm_neuron.model.registry", "get_models")
 
