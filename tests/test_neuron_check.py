@@ -186,6 +186,6 @@ def test_the_inventory_lists_the_registry_entries_the_glue_wraps():
         lines = neuron_check.registry_entries()
         assert all(any(f in line and line.endswith(")") and ": wrapped (vllm-neuron" in line for line in lines)
                    for f in factories), lines
-        assert any(line.startswith("GlmMoeDsaForCausalLM: not wrapped") for line in lines)
+        assert any(line.startswith("Qwen3_5MoeForCausalLM: not wrapped") for line in lines)
     finally:
         st.drop_standin()

@@ -142,7 +142,7 @@ def test_older_generation_is_refused_naming_the_version(standin, qwen3, monkeypa
 @pytest.mark.parametrize("arch, message", [
     ("LlamaForCausalLM", r"architecture LlamaForCausalLM with vllm-neuron 0\.24\.0\.standin: not supported\. neuron-w8 "
                          r"replaces the experts of: Qwen3MoeForCausalLM, Qwen3_5MoeForConditionalGeneration"),
-    ("GlmMoeDsaForCausalLM", r"GLM-5 model .* serve it without --quantization neuron-w8"),
+    ("Qwen3_5MoeForCausalLM", r"no model for the text-only Qwen3\.5-MoE layout"),
 ])
 def test_unsupported_architecture_stops_start_up(standin, qwen3, arch, message):
     from vllm_moe_w8.neuron_glue import interfaces, registration

@@ -66,7 +66,31 @@ QWEN3_5_MOE = MoeTarget(
     block_methods=("_shared_expert", "_combine"),
 )
 
-TARGETS = (QWEN3_MOE, QWEN3_5_MOE)
+# GLM routed-expert banks (fork jinhuang12/vllm-neuron): a module whose forward takes this rank's tokens and the
+# router's affinities over ALL experts [T, E] and returns this rank's routed sum [T, H]; adopted by
+# neuron_glue.glm_experts (the router, the shared expert and the collectives stay the fork's).
+GLM5_NEXT = MoeTarget(
+    kind="glm5_next",
+    architectures=("Glm5NextForConditionalGeneration",),
+    factory=("vllm_neuron.model.glm5_next", "Glm5NextForConditionalGeneration"),
+    block=("vllm_neuron.model.glm5_next.model_fp8", "Glm5NextRoutedExperts"),
+    block_attrs=("num_routed_experts", "num_experts_per_tok", "tp_degree", "ep_degree", "num_local_experts",
+                 "swiglu_limit", "router_weight", "router_bias"),
+    bf16_params=("gate_proj_weight", "up_proj_weight", "down_proj_weight"),  # the fork's FP8 bank (declared)
+    block_methods=("route_tokens", "prepare_scale_operands", "local_expert_indices"),
+)
+
+GLM_MOE_DSA = MoeTarget(  # GLM-5: adopted by neuron_glue.glm_moe_dsa (a bank of glm_experts)
+    kind="glm_moe_dsa",
+    architectures=("GlmMoeDsaForCausalLM",),
+    factory=("vllm_neuron.model.glm_moe_dsa", "GlmMoeDsaForCausalLM"),
+    block=("vllm_neuron.model.glm_moe_dsa.moe", "GlmMoeDsaRoutedExperts"),
+    block_attrs=("hidden_size", "intermediate_size", "num_experts", "top_k", "expert_parallel_size",
+                 "expert_parallel_rank", "num_local_experts", "local_expert_start", "global_expert_ids"),
+    bf16_params=("experts",),  # the fork's per-expert ModuleList of BlockFP8Linear (float8_e4m3fn) gate/up/down
+)
+
+TARGETS = (QWEN3_MOE, QWEN3_5_MOE, GLM5_NEXT, GLM_MOE_DSA)
 
 # Architectures of checkpoints neuron-w8 supports whose experts it does not replace under vllm-neuron: why, and
 # what to use instead (refused at start-up by resolve_target; sources in DEVELOPING.md, "vllm-neuron interfaces").
@@ -78,10 +102,6 @@ NOT_REPLACED = {
                              "the multimodal checkpoint (architectures [\"Qwen3_5MoeForConditionalGeneration\"], the "
                              "layout Qwen/Qwen3.5-*-FP8 ship); this text-only checkpoint is served by neuron-w8 on vLLM's "
                              "own model classes (the vLLM-generic path)",
-    "GlmMoeDsaForCausalLM": "vllm-neuron's GLM-5 model (fork jinhuang12/vllm-neuron, model/glm_moe_dsa) runs its own "
-                            "block-FP8 expert kernel; serve it without --quantization neuron-w8",
-    "Glm5NextForConditionalGeneration": "vllm-neuron's GLM-5.3-Flash model (fork jinhuang12/vllm-neuron, model/glm5_next) "
-                                        "runs nkilib's blockwise FP8 MoE kernels itself; serve it without --quantization neuron-w8",
 }
 
 # Present only in the dense-only Qwen3.5 generation: what composing our MoE block would need from it.

@@ -103,6 +103,14 @@ class ExpertSource:
         return {proj: (got[w], got[s], w) for proj, (w, s) in wanted.items()}
 
 
+def expert_keys(prefix: str, layer: int, plan: RankPlan) -> list[str]:
+    """The checkpoint keys this rank's experts of ``layer`` can be read from (per-expert layout: each projection's
+    ``.weight`` and either scale name), in the EP linear placement: what :func:`load_layer_experts` reads, for a
+    host whose own loader accounts for every key of its rank (vllm-neuron's GLM-5, ``neuron_glue.glm_moe_dsa``)."""
+    return [f"{prefix}{layer}.mlp.experts.{plan.first_expert + e}.{proj}.{suffix}"
+            for e in range(plan.num_local) for proj in PROJS for suffix in ("weight",) + SCALE_SUFFIXES]
+
+
 def _tp_cut(proj: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], plan: RankPlan):
     """This rank's slice of one projection and its scale grid (block rows/cols cut where the weight is)."""
     i_r, r = plan.inter_per_rank, plan.tp_rank

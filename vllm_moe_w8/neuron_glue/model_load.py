@@ -16,6 +16,7 @@ download_dir)`` and moves the model to meta (the graph is compiled without weigh
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -78,12 +79,14 @@ def meta_weights(plan: loaders.RankPlan, mode: str) -> KernelWeights:
                          torch.empty(e, h // P, g2, dtype=torch.float32, **meta), mode)
 
 
-def wrap(model, arch: str, cfg, dtype) -> None:
-    """Wrap the built model's ``load_weights`` and ``load_weights_lite`` (see the module docstring)."""
+def wrap(model, arch: str, cfg, dtype, dequantise_non_experts: bool = True) -> None:
+    """Wrap the built model's ``load_weights`` and ``load_weights_lite`` (see the module docstring).
+    ``dequantise_non_experts=False``: a model that loads its own FP8 non-expert tensors (vllm-neuron's GLM models)
+    gets them as the checkpoint has them (no :mod:`slice_hook`)."""
     original = getattr(model, "load_weights", None)
     if original is None:
         raise NeuronGlueError(f"neuron-w8 on Neuron: the {arch} model has no load_weights (interface changed)")
-    checkpoint_cls = checkpoint_class()
+    checkpoint_cls = checkpoint_class() if dequantise_non_experts else None
     prefix = SUPPORTED_ARCHITECTURES[arch][0]
 
     def load_weights(checkpoint_path, device, cache_dir=None):
@@ -91,7 +94,8 @@ def wrap(model, arch: str, cfg, dtype) -> None:
         blocks = experts.adopted_blocks(model)
         check_sizes(checkpoint_path, source.ckpt.config, [(n, b.w8_plan) for n, b in blocks],
                     interfaces.vllm_neuron_version())
-        with slice_hook.active(checkpoint_cls, source.ckpt, cfg.fmt, dtype):
+        hook = slice_hook.active(checkpoint_cls, source.ckpt, cfg.fmt, dtype) if dequantise_non_experts else contextlib.nullcontext()
+        with hook:
             original(checkpoint_path, device, cache_dir)
         loads, plan = [], None
         for _, block in blocks:

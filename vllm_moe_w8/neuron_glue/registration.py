@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 
 from vllm_moe_w8.about import QUANTIZATION_NAME
-from vllm_moe_w8.neuron_glue import experts, interfaces, loaders, model_load, settings
+from vllm_moe_w8.neuron_glue import experts, glm_experts, interfaces, loaders, model_load, settings
+from vllm_moe_w8.neuron_glue import glm_moe_dsa  # noqa: F401  (adds GLM-5's bank to glm_experts.BANKS)
 from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
 
 logger = logging.getLogger("vllm.neuron_w8")
@@ -89,6 +90,11 @@ REGISTERED_IN = {
                            "jinhuang12/vllm-neuron and whn09/vllm-neuron list no Qwen3MoeForCausalLM, although "
                            "upstream has model/qwen3_moe/)",
     "Qwen3_5MoeForConditionalGeneration": "whn09/vllm-neuron model/registry.py @3de9ea3",
+    "GlmMoeDsaForCausalLM": "jinhuang12/vllm-neuron model/registry.py @3a1e231 (not @83b3499, which lists "
+                            "DeepseekV4ForCausalLM instead)",
+    "Glm5NextForConditionalGeneration": "none of the trees read registers it (jinhuang12/vllm-neuron model/registry.py "
+                                        "@83b3499 and @3a1e231 do not list it, although model/glm5_next/__init__.py "
+                                        "@b097661 exports its factory)",
 }
 REGISTRY = ("vllm_neuron.model.registry", "get_models")
 
@@ -174,11 +180,16 @@ def convert_model(model, vllm_config):
             f"{target.block[1]} module; its interface changed (DEVELOPING.md, 'vllm-neuron interfaces we use')"
         )
     plans = []
+    bank = target.kind in glm_experts.BANKS  # a GLM routed-expert bank (glm_experts), else a Qwen MoE block (experts)
     for name, block in blocks:
-        plans.append(rank_plan(block, target))
+        plans.append(glm_experts.rank_plan(block, target, model_config.hf_config) if bank else rank_plan(block, target))
         plans[-1].validate(name)
-        experts.adopt(block, target, name, plans[-1], cfg, arch)
-    model_load.wrap(model, arch, cfg, dtype=model_config.dtype)
+        (glm_experts if bank else experts).adopt(block, target, name, plans[-1], cfg, arch)
+    prepare = glm_experts.BANKS[target.kind].prepare_model if bank else None
+    if prepare is not None:
+        prepare(model, blocks, arch)
+    # the GLM models load their own FP8 non-expert tensors (bytes + scales): no dequantising hook for them
+    model_load.wrap(model, arch, cfg, dtype=model_config.dtype, dequantise_non_experts=not bank)
     logger.info(
         "neuron-w8 on Neuron: %s (vllm-neuron %s): %d MoE blocks use 1-byte experts (mode %s from %s, LNC %d)",
         arch, interfaces.vllm_neuron_version(), len(blocks), cfg.mode, cfg.mode_source, cfg.lnc,
