@@ -13,7 +13,7 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
   calibration file at load, the dense kernel's). The kernel function (pow2 / output-block) follows ``kw.mode``.
 * sizes: ``B`` = :func:`block_rows` (T), ``N`` = ``routing.capacity_blocks(T, k, E, B)``: functions of the bucket
   (T, top_k, E), never of the routing values. One compile per (mode, T bucket).
-* result ``[lnc, T + B, H] f32`` -> ``routing.combine(result, T)`` = the routed sum [T, H].
+* result ``[lnc, T, H] f32`` -> ``routing.combine(result, T)`` = the routed sum [T, H].
 
 Which schedule (:func:`schedule_for`): T <= ``SELECTIVE_MAX_TOKENS`` -> selective decode (B = the decode bucket,
 one block per routed local expert); up to 128 tokens beyond it -> the all-expert dense kernel (kernels/moe_w8.py,
