@@ -103,6 +103,29 @@ def _priced(per_scenario: dict, prefix: str) -> dict:
     return out
 
 
+MIN_DMAS_PER_EXPERT = 4  # its w13, w2 and their two scale tensors: four HBM tensors, at least one DMA each
+MIN_DMAS_PER_CALL = 3  # the token rows, the routing metadata, the output
+
+
+def floor_ms(shape: dict, routed_experts: int, routed_bytes: int, sc: calibration.Scenario) -> dict:
+    """A lower bound, under one scenario's constants, of any selective dataflow at T=1: the routed experts' bytes
+    at the DMA rate plus the fixed cost of the fewest DMAs (MIN_DMAS_*), their descriptor generation on GpSimd, the
+    fewest matmuls that stream their FP8 weights (moving, 512 columns each, or stationary, 128 x 128 each: the
+    cheaper), and the serial control of one dynamic-loop trip per routed expert and one register load (the bytes
+    follow the routing only through a runtime trip count). Nothing else (transposes, scaling, metadata) counted."""
+    c = sc.constants
+    dmas = MIN_DMAS_PER_EXPERT * routed_experts + MIN_DMAS_PER_CALL
+    weights = routed_experts * 3 * shape["H"] * shape["I"]
+    moving = -(-weights // (128 * 512)) * cost.matmul_cycles(512, 1, c)
+    stationary = -(-weights // (128 * 128)) * cost.matmul_cycles(1, 1, c)
+    lanes = {"dma": routed_bytes / c.dma_bytes_per_s + dmas * c.dma_fixed_s, "gpsimd": dmas * c.dge_per_dma_s,
+             "tensor": min(moving, stationary) / cost.TENSOR_HZ, "hbm": routed_bytes / cost.HBM_BYTES_PER_S}
+    control = routed_experts * c.dynamic_iteration_s + c.register_load_s
+    bound = max(lanes, key=lanes.get)
+    return {f"floor_{sc.name}_ms": (lanes[bound] + control) * 1e3, f"floor_{sc.name}_bound": bound,
+            f"floor_{sc.name}_control_ms": control * 1e3}
+
+
 def decode_case(label: str, shape: dict, kw: host.KernelWeights, tokens: int, ids: torch.Tensor, weights: torch.Tensor) -> dict:
     x = torch.randn(tokens, shape["H"]).to(torch.bfloat16)
     bucket = host.bucket_for(tokens)
@@ -132,8 +155,18 @@ def decode_case(label: str, shape: dict, kw: host.KernelWeights, tokens: int, id
            **_priced({n: sel[vb] for n, vb in by.items()}, "selective"),
            **_priced({n: dense[vb] for n, vb in by.items()}, "dense"), "interp_s": time.perf_counter() - t0}
     row["selective_read/routed"] = row["selective_read_MB"] / max(row["routed_MB"], 1e-12)
-    for name in scenarios():
+    for name, sc in scenarios().items():
         row[f"selective_{name}/routed_hbm"] = row[f"selective_{name}_ms"] / max(row["routed_hbm_ms"], 1e-12)
+        if tokens == 1:
+            row.update(floor_ms(shape, len(used), routed, sc))
+            row[f"floor_{name}/routed_hbm"] = row[f"floor_{name}_ms"] / max(row["routed_hbm_ms"], 1e-12)
+        worst = max((cost.estimate(st, sc) for st in sel[by[name]]), key=lambda e: e.time_s)
+        row[f"selective_{name}_lanes_ms"] = {k: v * 1e3 for k, v in worst.lanes.items()}
+        row[f"selective_{name}_control_ms"] = worst.control_s * 1e3
+    st = sel[by["fitted"]][0]
+    row["selective_counters"] = {"dmas": st.dma_count, "matmuls": st.matmul_count, "transposes": sum(st.transposes.values()),
+                                 "engine_instructions": sum(st.engine_ops.values()), "dynamic_iterations": st.dynamic_iterations,
+                                 "register_loads": st.register_loads, "write_MB": st.hbm_write_bytes / 1e6}
     return row
 
 
@@ -168,6 +201,8 @@ def routed_decode(quick: bool) -> None:
             ok = all(r["selective_read/routed"] <= DECODE_GOAL and r[f"selective_{n}/routed_hbm"] <= DECODE_GOAL
                      for r in t1 if r["mode"] == mode)
             print(f"T=1 goal (<= {DECODE_GOAL}x routed bytes and HBM time), {mode}, scenario {n}: {'OK' if ok else 'MISSED'}")
+    print_table(t1, ["shape", "mode", "routed_experts", "routed_hbm_ms"]
+                + [c for n in names for c in (f"selective_{n}/routed_hbm", f"floor_{n}/routed_hbm", f"floor_{n}_bound")])
     crossover = {}  # per scenario: the largest decode bucket up to which selective is cheaper at every shape
     for n in names:
         crossover[n] = 0
@@ -182,6 +217,7 @@ def routed_decode(quick: bool) -> None:
                                            "selective_cheaper_up_to": min(crossover.values()),
                                            "selective_cheaper_up_to_by_scenario": crossover,
                                            "schedules": {n: _vector_blocks("pow2", n) for n in names},
+                                           "floor": floor_ms.__doc__,
                                            "scenarios": names, "method": "interpreter counts, LNC=1; T=1 rows pow2 and output-block, threshold rows pow2; "
                                            "per scenario kernels/nki_cpu/cost.py estimate(), pow2 kernels built with that "
                                            "scenario's engine schedule (kernels/schedule.py)",

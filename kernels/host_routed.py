@@ -13,7 +13,7 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
   calibration file at load, the dense kernel's). The kernel function (pow2 / output-block) follows ``kw.mode``.
 * sizes: ``B`` = :func:`block_rows` (T), ``N`` = ``routing.capacity_blocks(T, k, E, B)``: functions of the bucket
   (T, top_k, E), never of the routing values. One compile per (mode, T bucket).
-* result ``[lnc, T + B, H] f32`` -> ``routing.combine(result, T)`` = the routed sum [T, H].
+* result ``[lnc, T, H] f32`` -> ``routing.combine(result, T)`` = the routed sum [T, H].
 
 Which schedule (:func:`schedule_for`): T <= ``SELECTIVE_MAX_TOKENS`` -> selective decode (B = the decode bucket,
 one block per routed local expert); up to 128 tokens beyond it -> the all-expert dense kernel (kernels/moe_w8.py,
@@ -21,9 +21,9 @@ launched as today); larger T -> block prefill (B = 128; T padded by the caller t
 ``SELECTIVE_MAX_TOKENS`` comes from the cost model, per scenario: ``benchmarks/bench_nki_kernels.py --routed`` prices
 both decode kernels per bucket (Qwen3.5-35B-A3B EP=8, GLM-5.3-Flash EP=32; results/bench_nki_routed_decode.json,
 ``selective_cheaper_up_to_by_scenario``: the largest decode bucket up to which selective is cheaper at both shapes).
-With #21's dense dataflow the all-expert kernel wins from T = 64 (fitted) / T = 32 (documented) at Qwen3.5 width,
-where nearly every local expert is routed and the selective kernel's per-block overheads (dynamic-loop
-iterations, metadata DMAs, gathered rows) are not repaid. The scenario is the one the Neuron calibration file names
+With #21's dense dataflow the all-expert kernel wins from T = 64 (both scenarios, since the padding rows' scatter-add
+is skipped; documented was T = 32 before) at Qwen3.5 width, where nearly every local expert is routed and the
+selective kernel's per-block overheads (dynamic-loop iterations, metadata DMAs, gathered rows) are not repaid. The scenario is the one the Neuron calibration file names
 (``kernels/schedule.py``, read once at load like the pow2 engine schedule; no file: fitted).
 """
 
@@ -37,7 +37,7 @@ from .moe_w8_blocks import moe_w8_blocks_output_block, moe_w8_blocks_pow2
 
 P = 128
 # bench_nki_routed_decode.json: selective_cheaper_up_to_by_scenario (tests/test_nki_routing.py checks they agree)
-SELECTIVE_MAX_TOKENS_BY_SCENARIO = {"fitted": 32, "documented": 16}
+SELECTIVE_MAX_TOKENS_BY_SCENARIO = {"fitted": 32, "documented": 32}
 SELECTIVE_MAX_TOKENS = SELECTIVE_MAX_TOKENS_BY_SCENARIO[POW2_SCHEDULE.scenario]
 BLOCKS = {"pow2": moe_w8_blocks_pow2, "output-block": moe_w8_blocks_output_block}
 _DTYPES = {"hidden": "bfloat16", "token_position_to_id": "int32", "position_weight": "float32",

@@ -6,9 +6,11 @@ walks the used blocks in a dynamic loop (``nl.dynamic_range`` over a register lo
 keeps the block index in an SBUF tile, fetches the block's expert id by scalar-offset DMA, the expert's
 weights and scales by scalar-offset DMA (``.ap(scalar_offset=expert, indirect_dim=0)``), the block's token rows
 by vector-offset DMA, and adds each row's result into its token's output row with a DMA read-modify-write
-(``nisa.dma_compute``): the top-k contributions of a token are combined on the device. An expert's scales - and
+(``nisa.dma_compute`` with ``oob_mode.skip``: a padding row's index, T + position, lies past the [T, H] output,
+so the DMA moves nothing for it): the top-k contributions of a token are combined on the device. An expert's scales - and
 its codes when they fit SBUF (:func:`resident_weights`, a shape rule) - are loaded once per run of consecutive
-blocks of that expert (``block_new_expert``: a 0/1-trip dynamic loop), else the codes stream per block. Nothing in the kernel's
+blocks of that expert (``block_new_expert``: a 0/1-trip dynamic loop; when T <= B - selective decode - every
+block is a new expert by construction, so they are loaded per block with no loop), else the codes stream per block. Nothing in the kernel's
 Python constants or shapes depends on the routing: one compile per (T, B, N) bucket; work and weight bytes
 follow the used blocks.
 
@@ -26,7 +28,7 @@ Arguments (checked on the host before every launch by ``host_routed.check_block_
     block_new_expert      [N, 1]            int32    1 where the block's expert is not the previous block's
     block_range           [n, 2]            int32    (first block, block count) of program p
     swiglu_limit          float (trace-time constant): > 0 clamps gate <= limit and |up| <= limit
-    returns               [n, T + B, H]     float32  program p's partial sums (host: routing.combine)
+    returns               [n, T, H]         float32  program p's partial sums (host: routing.combine)
 
 Launched as ``kernel[n]`` (n = LNC): program p = ``nl.program_id(0)`` computes blocks
 [first_p, first_p + count_p) and writes only its own output slab (no cross-core read-modify-write).
@@ -67,7 +69,7 @@ def resident_weights(hidden: int, inter: int) -> bool:
 
 
 def _zero_output(out, pid, rows_total, hidden):
-    """Program pid's output slab := 0 (the read-modify-writes add into it)."""
+    """Program pid's output slab [rows_total, hidden] := 0 (the read-modify-writes add into it)."""
     zeros = nl.ndarray((P, hidden), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=zeros, value=0.0)
     for r0 in range(0, rows_total, P):
@@ -79,13 +81,14 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
             block_new_expert, block_range, mode, limit, vector_blocks):
     rows_total, h = hidden.shape
     _n_blocks, b = token_position_to_id.shape
+    tokens = rows_total - b  # the output holds the tokens only: padding rows (T + position) fall past it
     _e, _p, g_h, two_i = w13.shape
     inter = two_i // 2
     dims = (b, g_h, inter, inter // P, w13_scales.shape[2], w2_scales.shape[2], limit, vector_blocks)
     programs = nl.num_programs(axes=0)
     pid = nl.program_id(axis=0)
-    out = nl.ndarray((programs, rows_total, h), dtype=nl.float32, buffer=nl.shared_hbm)
-    _zero_output(out, pid, rows_total, h)
+    out = nl.ndarray((programs, tokens, h), dtype=nl.float32, buffer=nl.shared_hbm)
+    _zero_output(out, pid, tokens, h)
     ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
     # the current expert's scales (and, when they fit, its codes) persist across its blocks
@@ -96,31 +99,38 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
     if resident_weights(h, inter):
         res13 = nl.ndarray((P, g_h, two_i), dtype=nl.uint8, buffer=nl.sbuf)
         res2 = nl.ndarray((P, inter // P, h), dtype=nl.uint8, buffer=nl.sbuf)
-    block = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)  # the current block index (runtime)
-    nisa.dma_copy(dst=block, src=block_range[pid:pid + 1, 0:1])
-    count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=count, src=block_range[pid:pid + 1, 1:2])
+    share = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)  # (first block, block count): one DMA
+    nisa.dma_copy(dst=share, src=block_range[pid:pid + 1, :])
+    block = share[:, 0:1]  # the current block index (runtime)
     count_reg = nisa.register_alloc()
-    nisa.register_load(count_reg, count)
+    nisa.register_load(count_reg, share[:, 1:2])
     for _ in nl.dynamic_range(count_reg):
         expert = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=expert, src=block_to_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
                                                          indirect_dim=0))
-        new = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=new, src=block_new_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
-                                                       indirect_dim=0))
-        new_reg = nisa.register_alloc()
-        nisa.register_load(new_reg, new)
-        for _ in nl.dynamic_range(new_reg):  # 0 or 1 trip: a new expert's scales (and resident codes)
-            broadcast_row(expert_rows(w13_scales, expert), b, ones, sc13)
-            broadcast_row(expert_rows(w2_scales, expert), b, ones, sc2)
-            if res13 is not None:
-                load_expert(w13, expert, res13)
-                load_expert(w2, expert, res2)
+        if tokens <= b:  # selective decode: an expert's rows (<= T) fill one block, every block is a new expert
+            _load_expert_state(expert, w13, w13_scales, w2, w2_scales, b, ones, sc13, sc2, res13, res2)
+        else:
+            new = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=new, src=block_new_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
+                                                           indirect_dim=0))
+            new_reg = nisa.register_alloc()
+            nisa.register_load(new_reg, new)
+            for _ in nl.dynamic_range(new_reg):  # 0 or 1 trip: a new expert's scales (and resident codes)
+                _load_expert_state(expert, w13, w13_scales, w2, w2_scales, b, ones, sc13, sc2, res13, res2)
         _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight, out,
                    pid, dims, mode)
         nisa.tensor_scalar(dst=block, data=block, op0=nl.add, operand0=1)
     return out
+
+
+def _load_expert_state(expert, w13, w13_scales, w2, w2_scales, b, ones, sc13, sc2, res13, res2):
+    """The block's expert's scales broadcast to the block's rows, and its codes when they stay resident."""
+    broadcast_row(expert_rows(w13_scales, expert), b, ones, sc13)
+    broadcast_row(expert_rows(w2_scales, expert), b, ones, sc2)
+    if res13 is not None:
+        load_expert(w13, expert, res13)
+        load_expert(w2, expert, res2)
 
 
 def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight, out, pid,
@@ -140,5 +150,6 @@ def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_pos
     for h0 in range(0, h, SLAB):
         w = min(SLAB, h - h0)
         _y, counter = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2, counter)
-    dst = out.ap(pattern=[[h, b], [1, h]], offset=pid * rows_total * h, vector_offset=ids, indirect_dim=1)
-    nisa.dma_compute(dst=dst, srcs=[dst, y], reduce_op=nl.add)
+    tokens = rows_total - b
+    dst = out.ap(pattern=[[h, b], [1, h]], offset=pid * tokens * h, vector_offset=ids, indirect_dim=1)
+    nisa.dma_compute(dst=dst, srcs=[dst, y], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)  # padding: T + row

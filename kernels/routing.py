@@ -12,8 +12,8 @@ Layout (B rows per block; T tokens, E local experts, n programs):
   expert's rows are padded to whole blocks, ceil((T*k - (E-1)) / B) + E - 1 (E-1 experts with one row each
   and the rest in one expert; nki-library's ``bwmm_shard_on_I`` uses the same static capacity).
 * ``token_position_to_id [N, B] int32``: the hidden row each block row gathers; padding rows point at the
-  zero rows T + (position mod B) of the kernel's padded hidden [T + B, H], distinct within a block, so
-  their scatter-add rows are distinct too (and discarded).
+  zero rows T + (position mod B) of the kernel's padded hidden [T + B, H]; past the kernel's [T, H] output, so
+  its scatter-add skips them (``oob_mode.skip``: no bytes move for padding).
 * ``position_weight [N, B] float32``: the routing weight of that row (0 on padding); a token routed twice
   to the same expert gets one row with the summed weight.
 * ``block_to_expert [N, 1] int32``: the local expert of each block (blocks past the used ones: E - 1,
@@ -113,5 +113,7 @@ def padded_hidden(x: torch.Tensor, block_rows: int) -> torch.Tensor:
 
 
 def combine(partials: torch.Tensor, tokens: int) -> torch.Tensor:
-    """[programs, T + B, H] fp32 partial sums -> [T, H]: the programs' shares added, padding rows dropped."""
+    """[programs, T, H] fp32 partial sums -> [tokens, H]: the programs' shares added (one program: a view)."""
+    if partials.shape[0] == 1:
+        return partials[0, :tokens]
     return partials.sum(dim=0)[:tokens]

@@ -56,8 +56,9 @@ def row_sum_loop_kernel(table, order, count):
 
 
 @jit
-def scatter_add_kernel(base, index, values):
-    """out = base; out[index[p]] += values[p] by DMA read-modify-write (dma_compute)."""
+def scatter_add_kernel(base, index, values, skip=False):
+    """out = base; out[index[p]] += values[p] by DMA read-modify-write (dma_compute); ``skip``: with
+    oob_mode.skip (rows whose index is outside ``base`` are left out)."""
     p, n = values.shape
     out = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.shared_hbm)
     b = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.sbuf)
@@ -68,7 +69,10 @@ def scatter_add_kernel(base, index, values):
     v = nl.ndarray((p, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=v, src=values)
     dst = out.ap(pattern=[[n, p], [1, n]], offset=0, vector_offset=idx, indirect_dim=0)
-    nisa.dma_compute(dst=dst, srcs=[dst, v], reduce_op=nl.add)
+    if skip:
+        nisa.dma_compute(dst=dst, srcs=[dst, v], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+    else:
+        nisa.dma_compute(dst=dst, srcs=[dst, v], reduce_op=nl.add)
     return out
 
 
@@ -195,6 +199,44 @@ def test_dma_read_modify_write_adds_exactly_and_refuses_repeated_rows():
         run(scatter_add_kernel, base, col([4, 0, 4]), values)
     with pytest.raises(NkiValidationError, match="out of range"):
         run(scatter_add_kernel, base, col([4, 0, 6]), values)
+
+
+def test_dma_read_modify_write_with_oob_skip_leaves_out_of_range_rows_and_their_bytes():
+    """oob_mode.skip (aws-neuron-sdk @81ce03ae nisa.dma_compute): rows whose index lies outside the indexed
+    dimension are skipped - no element touched, no byte moved - while every in-range row is added exactly and
+    still checked (a repeated in-range row is refused); the default mode still refuses them; any other mode is
+    refused."""
+    base = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    values = np.full((4, 4), 0.25, np.float32) * np.arange(1, 5, dtype=np.float32)[:, None]
+    out, stats = run(scatter_add_kernel, base, col([4, 6, 0, 9]), values, skip=True)
+    want = base.copy()
+    want[[4, 0]] += values[[0, 2]]
+    assert np.array_equal(out, want)
+    _, full = run(scatter_add_kernel, base, col([4, 5, 0, 1]), values, skip=True)
+    assert full.hbm_read_bytes - stats.hbm_read_bytes == 2 * 4 * 4  # two skipped rows of 4 fp32: never read
+    assert full.hbm_write_bytes - stats.hbm_write_bytes == 2 * 4 * 4  # ... nor written
+    assert stats.indirect_dmas[("vector", 4)] == 1  # descriptors are still generated for every row
+    with pytest.raises(NkiValidationError, match="twice in one DMA"):
+        run(scatter_add_kernel, base, col([4, 9, 4, 7]), values, skip=True)
+    with pytest.raises(NkiValidationError, match="out of range"):
+        run(scatter_add_kernel, base, col([4, 6, 0, 1]), values)
+
+    @jit
+    def bad_mode(base, index, values):
+        out = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        b = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=b, src=base)
+        nisa.dma_copy(dst=out, src=b)
+        idx = nl.ndarray(index.shape, dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=idx, src=index)
+        v = nl.ndarray(values.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=v, src=values)
+        dst = out.ap(pattern=[[4, 4], [1, 4]], offset=0, vector_offset=idx, indirect_dim=0)
+        nisa.dma_compute(dst=dst, srcs=[dst, v], reduce_op=nl.add, oob_mode="wrap")
+        return out
+
+    with pytest.raises(NkiValidationError, match="oob_mode='wrap'"):
+        run(bad_mode, base, col([4, 6, 0, 1]), values)
 
 
 @pytest.mark.parametrize("scenario", sorted(calibration.SCENARIOS))

@@ -16,6 +16,16 @@ def _both(r: dict, names: list) -> str:
     return f"{times} ms ({bounds})"
 
 
+def _with_host(r: dict, names: list) -> str:
+    """'kernel + host steps (fitted / documented) ms (kernel alone ...; bounds)' of one row."""
+    if not any(r.get(f"{n}_host_ms", 0.0) for n in names):
+        return _both(r, names)
+    times = " / ".join(f"{r[f'{n}_ms']:.2f}" for n in names)
+    alone = " / ".join(f"{r[f'{n}_kernel_ms']:.2f}" for n in names)
+    bounds = " / ".join(r[f"{n}_bound"] for n in names)
+    return f"{times} ms (kernel {alone}, {bounds})"
+
+
 def render(results_dir: Path) -> str:
     data = json.loads((results_dir / "grouped_prefill.json").read_text())
     rows, names = data["rows"], data["scenarios"]
@@ -25,21 +35,26 @@ def render(results_dir: Path) -> str:
         d = next(r for r in rows if r["kernel"] == "dense" and (r["mode"], r["T"], r["LNC"]) == key)
         b = next(r for r in rows if r["kernel"] == "blocks" and (r["mode"], r["T"], r["LNC"]) == key)
         out.append([
-            f"{g['T']:,}", g["mode"], g["LNC"], _both(d, names), f"{d['calls']} x 256", _both(g, names),
-            f"{g['tiles']} ({g['routed_rows']:,} rows)", _both(b, names), f"{b['tiles']} of {b['capacity_blocks']}",
-            f"{d['hbm_MB']:.0f} / {g['hbm_MB']:.0f} / {b['hbm_MB']:.0f}",
+            f"{g['T']:,}", g["mode"], g["LNC"], _with_host(d, names), f"{d['calls']} x 256", _with_host(g, names),
+            f"{g['tiles']} ({g['routed_rows']:,} rows)", _with_host(b, names), f"{b['tiles']} of {b['capacity_blocks']}",
+            " / ".join(f"{r['hbm_MB']:.0f} + {r['host_MB']:.0f}" for r in (d, g, b)),
             " / ".join(f"{b[f'grouped/this_{n}']:.2f}x" for n in names),
+            " / ".join(f"{b[f'grouped/this_kernel_{n}']:.2f}x" for n in names),
         ])
     shape = data["shape"]
     m = data["machine"]
     label = " / ".join(names)
     table = markdown_table(
-        ["prefill tokens", "mode", "LNC", f"dense: modelled ({label})", "dense calls", f"grouped: modelled ({label})",
-         "grouped tiles", f"blocks: modelled ({label})", "blocks used of capacity", "HBM MB dense / grouped / blocks",
-         f"grouped / blocks ({label})"], out)
+        ["prefill tokens", "mode", "LNC", f"dense + host steps ({label})", "dense calls",
+         f"grouped + host steps ({label})", "grouped tiles", f"blocks + host steps ({label})", "blocks used of capacity",
+         "HBM MB kernel + host steps: dense / grouped / blocks", f"grouped / blocks, with host steps ({label})",
+         f"grouped / blocks, kernels alone ({label})"], out)
     return (table + f"\nE_local {shape['E_local']} of {shape['E_total']}, H {shape['H']}, I {shape['I']}, top-{shape['top_k']}, "
             "uniform routing; model outputs of `kernels/nki_cpu/cost.py` in both cost scenarios (per call the slowest LNC "
             "program; the pow2 dense and block kernels built with each scenario's engine schedule, "
             f"`kernels/schedule.py`: {data['schedules']['pow2']}), not measurements. Counted by the interpreter on "
             f"{m['cpu_model']} (load {m['loadavg_1_5_15'][0]:.1f}); the dense kernel's counts are one 256-token call times "
-            "the number of calls.\n")
+            "the number of calls. Host steps (`bench_grouped_prefill.host_steps`): what each kernel leaves outside it, "
+            "priced as the device DMA traffic it needs at least (grouped: the gather of the routed bf16 rows into tiles "
+            "and the combine of each token's fp32 rows; dense and blocks at LNC 2: the sum of the programs' partials), "
+            "split over the LNC cores, added after the kernel.\n")

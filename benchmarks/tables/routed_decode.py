@@ -19,9 +19,11 @@ def render(results_dir: Path) -> str:
                     f"{r['selective_read_MB']:.1f} ({r['selective_read/routed']:.2f}x)", f"{r['routed_hbm_ms'] * 1e3:.0f}"]
                    + [f"{r[f'selective_{n}_ms'] * 1e3:.0f} ({r[f'selective_{n}/routed_hbm']:.1f}x, {r[f'selective_{n}_bound']})"
                       for n in names]
-                   + [f"{r[f'dense_{n}_ms'] * 1e3:.0f}" for n in names])
+                   + [f"{r[f'dense_{n}_ms'] * 1e3:.0f}" for n in names]
+                   + [" / ".join(f"{r[f'floor_{n}/routed_hbm']:.2f}x" for n in names) if f"floor_{names[0]}_ms" in r else "-"])
     headers = (["shape", "mode", "T", "routed local experts", "their MB", "selective: MB read (x)", "their HBM us"]
-               + [f"selective us, {n} (x HBM, bound)" for n in names] + [f"all-expert us, {n}" for n in names])
+               + [f"selective us, {n} (x HBM, bound)" for n in names] + [f"all-expert us, {n}" for n in names]
+               + [f"floor x HBM ({' / '.join(names)})"])
     m = data["machine"]
     return (markdown_table(headers, out) +
             f"\nOne NeuronCore-v3 (LNC=1), model outputs of `kernels/nki_cpu/cost.py` per scenario, not measurements; "

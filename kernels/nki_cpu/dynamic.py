@@ -20,7 +20,10 @@ What the interpreter enforces (each with a test in tests/test_nki_dynamic_rules.
   partition count; every offset element is checked against the indexed dimension's size (``oob_mode.error``,
   the default: out of range is an error, never a silent skip);
 * ``dma_compute`` with ``nl.add`` only, scales 1.0, two sources for read-modify-write, indices unique within one
-  instruction (``unique_indices=True`` is the only supported mode).
+  instruction (``unique_indices=True`` is the only supported mode); ``oob_mode=oob_mode.skip`` (the API: "silently
+  skips any operations involving out-of-bounds indices"; ``dma_copy``'s text: it skips "the DMA transfer" of such an
+  index) leaves the rows whose index is outside the indexed dimension untouched and moves no bytes for them, every
+  in-range row still checked and added; any other mode value is refused.
 
 Counters (``Stats``): ``indirect_dmas[(kind, descriptors)]``, ``register_loads``, ``dynamic_loops``,
 ``dynamic_iterations`` - priced by :mod:`.cost_dynamic`.
@@ -34,6 +37,11 @@ from . import dtypes as dt
 from .machine import NkiValidationError, Tensor, current, read
 
 INT_DTYPES = (dt.int32, dt.uint32, dt.int8, dt.uint8)
+
+
+class oob_mode:  # noqa: N801  (mirrors nisa.oob_mode)
+    error = "oob_mode.error"
+    skip = "oob_mode.skip"
 
 
 class VirtualRegister:
@@ -177,8 +185,10 @@ class AccessPattern:
     def kind(self) -> str:
         return "vector" if self.vector_offset is not None else "scalar" if self.scalar_offset is not None else "static"
 
-    def addresses(self) -> np.ndarray:
-        """Flat element index into the base tensor for every element of the pattern (checked in range)."""
+    def addresses(self, skip: bool = False) -> np.ndarray:
+        """Flat element index into the base tensor for every element of the pattern (checked in range).
+        ``skip`` (vector offsets only, ``oob_mode.skip``): the partition rows whose index lies outside the indexed
+        dimension are dropped (:meth:`kept_rows`), not refused."""
         dim_stride = int(np.prod(self.base.shape[self.indirect_dim + 1:], dtype=np.int64))
         dim_size = self.base.shape[self.indirect_dim]
         grids = np.meshgrid(*[np.arange(c, dtype=np.int64) * s for s, c in self.pattern], indexing="ij")
@@ -196,15 +206,23 @@ class AccessPattern:
             if vo.shape[0] != self.shape[0]:
                 raise NkiValidationError(f".ap vector_offset {vo.name!r} has {vo.shape[0]} partitions; the pattern's partition count is {self.shape[0]}")
             idx = read(vo, ".ap vector_offset").reshape(-1).astype(np.int64)
-            _check_index(idx, dim_size, self.name, "vector_offset")
+            keep = (idx >= 0) & (idx < dim_size) if skip else np.ones(idx.shape, dtype=bool)
+            _check_index(idx[keep], dim_size, self.name, "vector_offset")
             # the partition dim is addressed by the per-partition index, not by the pattern's first stride
-            addr = addr - grids[0] + (idx * dim_stride).reshape((-1,) + (1,) * (len(self.shape) - 1))
+            addr = (addr - grids[0] + (idx * dim_stride).reshape((-1,) + (1,) * (len(self.shape) - 1)))[keep]
+            if addr.size == 0:
+                return addr
         if addr.min() < 0 or addr.max() >= self.base.data.size:
             raise NkiValidationError(
                 f".ap on {self.name!r} {self.base.shape}: the pattern {self.pattern} at offset {self.offset} reaches element "
                 f"{int(addr.max())} outside the tensor's {self.base.data.size} elements"
             )
         return addr
+
+    def kept_rows(self) -> np.ndarray:
+        """[P] bool: the vector-offset rows whose index lies inside the indexed dimension (``oob_mode.skip``)."""
+        idx = read(self.vector_offset, ".ap vector_offset").reshape(-1).astype(np.int64)
+        return (idx >= 0) & (idx < self.base.shape[self.indirect_dim])
 
     def run_bytes(self) -> int:
         """Bytes of the innermost contiguous run per descriptor."""
@@ -241,14 +259,14 @@ def ap(tensor: Tensor, pattern, offset=None, scalar_offset=None, vector_offset=N
 Tensor.ap = ap  # the method NKI tensors have (machine.Tensor cannot import this module: it is built on it)
 
 
-def gather(src: AccessPattern) -> tuple[np.ndarray, np.ndarray]:
-    addr = src.addresses()
+def gather(src: AccessPattern, skip: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    addr = src.addresses(skip)
     flat, written = src.base.data.reshape(-1), src.base.written.reshape(-1)
     return flat[addr], written[addr]
 
 
-def scatter(dst: AccessPattern, values: np.ndarray) -> None:
-    addr = dst.addresses()
+def scatter(dst: AccessPattern, values: np.ndarray, skip: bool = False) -> None:
+    addr = dst.addresses(skip)
     if np.unique(addr).size != addr.size:
         raise NkiValidationError(f"indirect write into {dst.name!r} addresses an element twice in one DMA; indices must be unique")
     dst.base.data.reshape(-1)[addr] = values
@@ -268,9 +286,13 @@ def count_indirect(pattern: AccessPattern, nbytes: int, read_side: bool) -> None
 
 def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=None, name=None) -> None:
     """dst = srcs[0] + srcs[1] computed in the DMA engine (fp32): the scatter read-modify-write form
-    ``out.ap(vector_offset=idx) += tile`` (one source is ``dst`` itself, the other an SBUF tile)."""
-    if oob_mode is not None:
-        raise NkiValidationError("dma_compute(oob_mode=...) is not modelled; out-of-range indices are always an error")
+    ``out.ap(vector_offset=idx) += tile`` (one source is ``dst`` itself, the other an SBUF tile).
+    ``oob_mode``: error (default: an index outside the indexed dimension is refused) or skip (such rows are left
+    untouched and move no bytes; their descriptors are still written)."""
+    modes = (None, globals()["oob_mode"].error, globals()["oob_mode"].skip)
+    if not any(oob_mode is m for m in modes):
+        raise NkiValidationError(f"dma_compute(oob_mode={oob_mode!r}): use nisa.oob_mode.error or nisa.oob_mode.skip")
+    skip = oob_mode is globals()["oob_mode"].skip
     if getattr(reduce_op, "name", None) != "add":  # nl.add (language imports this module: compared by name)
         raise NkiValidationError(f"dma_compute reduce_op={reduce_op!r}: only nl.add is supported")
     if scales is not None and any(float(s) != 1.0 for s in scales):
@@ -290,12 +312,15 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
     tile = tiles[0]
     if tile.shape != dst.shape:
         raise NkiValidationError(f"dma_compute: tile {tile.name!r} {tile.shape} does not match the destination pattern {dst.shape}")
-    old, old_written = gather(dst)
+    old, old_written = gather(dst, skip)
     if not old_written.all():
         raise NkiValidationError(f"dma_compute reads never-written elements of {dst.name!r}: initialise the output first")
-    acc = dt.to_float32(old, dst.dtype) + read(tile, "dma_compute src")
-    scatter(dst, dt.from_float32(acc, dst.dtype))
-    nbytes = int(tile.data.size) * dst.dtype.itemsize
+    values = read(tile, "dma_compute src")
+    if skip:
+        values = values[dst.kept_rows()]
+    acc = dt.to_float32(old, dst.dtype) + values.reshape(old.shape)
+    scatter(dst, dt.from_float32(acc, dst.dtype), skip)
+    nbytes = int(values.size) * dst.dtype.itemsize
     count_indirect(dst, nbytes, read_side=True)
     stats = current().stats
     stats.hbm_write_bytes += nbytes

@@ -12,7 +12,8 @@ import torch
 
 from . import dtypes as dt
 from . import language as nl
-from .dynamic import AccessPattern, count_indirect, dma_compute, gather, register_alloc, register_load, register_move, scatter  # noqa: F401
+from .dynamic import (AccessPattern, count_indirect, dma_compute, gather, oob_mode, register_alloc,  # noqa: F401
+                      register_load, register_move, scatter)
 from .machine import PMAX, PSUM_BANK_BYTES, NkiValidationError, Tensor, current, hbm_run_bytes, read, write
 
 

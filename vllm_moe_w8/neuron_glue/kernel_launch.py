@@ -22,7 +22,7 @@ with its output contract and :func:`backend` makes its caller.
     moe_w8_blocks_pow2 /        hidden [T + B, H] bf16, the four weight tensors, token_position_to_id [N, B] i32,
     moe_w8_blocks_output_block  position_weight [N, B] f32, block_to_expert / block_new_expert [N, 1] i32,
                                 block_range [lnc, 2] i32; constants swiglu_limit (+ vector_blocks for pow2);
-                                output [lnc, T + B, H] fp32 (routing.combine)
+                                output [lnc, T, H] fp32 (routing.combine)
 
 Where the kernels run:
 
@@ -80,6 +80,11 @@ def _dense_output(tensors, grid: int):
     return (grid, hidden.shape[0], w2.shape[3]), torch.float32
 
 
+def _blocks_output(tensors, grid: int):
+    hidden, w2, t2i = tensors[0], tensors[3], tensors[5]
+    return (grid, hidden.shape[0] - t2i.shape[1], w2.shape[3]), torch.float32  # hidden is [T + B, H]
+
+
 def _grouped_output(tensors, grid: int):
     rows, w2 = tensors[0], tensors[4]
     return (rows.shape[0], w2.shape[3]), torch.float32
@@ -89,7 +94,7 @@ def _grouped_output(tensors, grid: int):
 # on Neuron, vllm-neuron's wrap_nki compiles the kernel for its shapes).
 KERNELS = {k.__name__: (k, _dense_output) for k in DENSE.values()}
 KERNELS.update({k.__name__: (k, _grouped_output) for k in GROUPED.values()})
-KERNELS.update({k.__name__: (k, _dense_output) for k in host_routed.BLOCKS.values()})  # [lnc, T + B, H] fp32
+KERNELS.update({k.__name__: (k, _blocks_output) for k in host_routed.BLOCKS.values()})  # [lnc, T, H] fp32
 
 
 def _callers(wrap) -> dict:
