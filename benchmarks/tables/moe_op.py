@@ -38,7 +38,8 @@ def _header(path: Path, data: dict, model: dict) -> str:
             f"{'met' if model['memory_goal_met'] else 'NOT met'}).")
     if "vllm" in data:
         v = data["vllm"]
-        text += (f" vLLM here: FP8 MoE {v['fp8']}; BF16 MoE isa `{v['bf16_isa']}` ({v['bf16_isa_reason']}). "
+        lib = f" (library {v['library']})" if "library" in v else ""
+        text += (f" vLLM here{lib}: FP8 MoE {v['fp8']}; BF16 MoE isa `{v['bf16_isa']}` ({v['bf16_isa_reason']}). "
                  f"neuron-w8's h: {model['w8_h_reason']}.")
     if "check" in model:
         c = model["check"]
