@@ -59,6 +59,8 @@ inline void decode_rows(const Matrix& m, int64_t n0, int rows, int64_t k0, int64
     float* dst = panel + r * (k1 - k0) - k0;
     const __m256 sc = _mm256_set1_ps(m.scales[(n / m.bn) * m.gk + b] * 256.0f);
     for (int64_t k = k0; k < k1; k += 16) {
+      // the row's next chunk (or the next row), used after this panel's dot products: from memory meanwhile
+      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + k + (k1 - k0)), _MM_HINT_T0);
       __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k)));
       w = _mm256_slli_epi16(w, 7);                              // s at bit 14, eeee.mmm at 13..7
       w = _mm256_add_epi16(w, _mm256_and_si256(w, sign_bit));  // move s to bit 15
