@@ -127,12 +127,12 @@ inline void dot_tile_any(int r, int m, const float* panel, int64_t k0, int64_t k
 // Few tokens: res[j] = dot(row n of mat, xs[j]) for M <= kFusedTokens, decoding straight into registers
 // (each 16 codes decoded once, used by every token). Per scale tile the exact code values (x 2^-8, as float16 bits)
 // are dotted with the inputs and the tile's partial sum is multiplied by 256 * scale: no multiply per weight.
-// M <= 4 keep two accumulators per token (two FMA chains: latency, not throughput, bounds one chain).
+// M <= 6 keep two accumulators per token (two FMA chains: latency, not throughput, bounds one chain).
 constexpr int kFusedTokens = 8;
 constexpr int kPrefetch = 512;  // bytes of codes ahead
 template <int M>
 inline void fused_row_dot(const Matrix& m, int64_t n, const float* const* xs, float* res) {
-  constexpr bool kSplit = M <= 4;
+  constexpr bool kSplit = M <= 6;
   const __m256i sign_bit = _mm256_set1_epi16(0x4000);
   const uint8_t* src = m.codes + n * m.k;
   const float* srow = m.scales + (n / m.bn) * m.gk;
@@ -145,7 +145,7 @@ inline void fused_row_dot(const Matrix& m, int64_t n, const float* const* xs, fl
     __m256 acc_lo[M], acc_hi[kSplit ? M : 1];
 #pragma GCC unroll 8
     for (int j = 0; j < M; ++j) acc_lo[j] = _mm256_setzero_ps();
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < (kSplit ? M : 1); ++j) acc_hi[j] = _mm256_setzero_ps();
     for (int64_t k = kb; k < kend; k += 16) {
       _mm_prefetch(reinterpret_cast<const char*>(src + k + kPrefetch), _MM_HINT_T0);
