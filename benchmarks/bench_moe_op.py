@@ -221,10 +221,11 @@ def main(argv=None):
     kernels, record = vllm_moe_kernels.kernels(BLOCK)
     amx = record["bf16_isa"] == "amx"
     record["library"] = vllm_moe_kernels.loaded_library() + (" (forced: --vllm-build avx2)" if a.vllm_build == "avx2" else "")
+    print(f"vLLM's kernel library: {record['library']}")
     load_start = os.getloadavg()
     print(f"threads={torch.get_num_threads()}  w8 implementation: {impl}{' (forced)' if forced else ''}  "
           f"load average at start: {load_start[0]:.1f}")
-    print(f"vLLM library: {record['library']}; BF16 isa {record['bf16_isa']} ({record['bf16_isa_reason']}); FP8: {record['fp8']}; "
+    print(f"vLLM here: BF16 isa {record['bf16_isa']} ({record['bf16_isa_reason']}); FP8: {record['fp8']}; "
           f"zentorch: {record['zentorch']}")
     print("ratios are throughput ratios w8 / vLLM, medians of interleaved calls with fresh routings")
     head = ["T", "calls", "w8 ms"] + (["w8 exact-h ms"] if impl == "native-avx512bf16" else []) + \
