@@ -7,7 +7,10 @@ served in its own process, one after the other:
 
 * ``w8``        -- the FP8 checkpoint with ``quantization="neuron-w8"`` (experts repacked at load time);
 * ``w8-conv``   -- the same checkpoint pre-converted by ``vllm-moe-w8 convert`` (no conversion work at load);
-* ``bf16-twin`` -- the exactly dequantised BF16 twin, unquantised (what vLLM serves without the plugin here).
+* ``bf16-twin`` -- the exactly dequantised BF16 twin, unquantised (what vLLM serves without the plugin here);
+* ``vllm-fp8``  -- the same FP8 checkpoint with vLLM's own ``quantization="fp8"`` (no plugin). vLLM 0.32's CPU FP8
+                   linear and MoE kernels need Intel AMX; where it cannot start, the JSON records why (the error it
+                   stops with) and the other variants run on.
 
 Reported: start-up (``LLM(...)`` wall time) and the plugin's own repack seconds, routed-expert bytes
 resident (from the plugin's summary line; the twin's from its tensors), the process tree's RSS after
@@ -85,7 +88,7 @@ def make_models(root: Path, a) -> dict[str, Path]:
         summary = convert_checkpoint(src, conv, mode="pow2", progress=False)
         if not summary.get("ok", True):
             raise SystemExit(f"convert failed: {summary.get('message')}")
-    return {"w8": src, "w8-conv": conv, "bf16-twin": twin}
+    return {"w8": src, "w8-conv": conv, "bf16-twin": twin, "vllm-fp8": src}
 
 
 def expert_bytes_in(ckpt: Path) -> int:
@@ -105,8 +108,25 @@ def expert_bytes_in(ckpt: Path) -> int:
     return total
 
 
+ERROR_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [\d-]+ [\d:]+ \[[^\]]+\] )?((?:ValueError|RuntimeError|NotImplementedError|"
+                        r"AssertionError|TypeError): .*)$")
+LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:\w+ [\d-]+ [\d:]+ \[[^\]]+\] )?")
+
+
+def start_failure(log: str) -> str:
+    """The first error a vLLM start-up stopped with (and the reason lines right after it), without log prefixes."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        m = ERROR_LINE.match(line)
+        if m:
+            more = [LOG_PREFIX.sub("", ln).strip() for ln in lines[i + 1:i + 3]]
+            more = [t for t in more if t and not t.startswith(("Traceback", "File ", "[shutdown]"))]
+            return " ".join([m.group(1).strip(), *more])
+    return "no error line found in the log"
+
+
 def run_variant(name: str, model: Path, a, tmp: Path) -> dict:
-    llm_kwargs = {"quantization": "neuron-w8"} if name.startswith("w8") else {}
+    llm_kwargs = {"quantization": "neuron-w8"} if name.startswith("w8") else ({"quantization": "fp8"} if name == "vllm-fp8" else {})
     script = tmp / "bench_e2e_runner.py"
     script.write_text(RUNNER)
     payload = {"model": str(model), "llm": llm_kwargs, "eager": not a.compile, "batches": a.batches, "max_tokens": a.max_tokens}
@@ -116,6 +136,8 @@ def run_variant(name: str, model: Path, a, tmp: Path) -> dict:
                           timeout=3600, env=env)
     log = proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines and name == "vllm-fp8":  # vLLM's own FP8 path may not exist on this CPU: record why
+        return {"started": False, "exit": proc.returncode, "reason": start_failure(log), "process_s": time.perf_counter() - t0}
     if not lines:
         raise SystemExit(f"{name}: no result (exit {proc.returncode}):\n{log[-5000:]}")
     res = json.loads(lines[-1][len("RESULT "):])
@@ -151,7 +173,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GB)")
     ap.add_argument("--compile", action="store_true", help="vLLM's default torch.compile instead of enforce_eager")
-    ap.add_argument("--variants", nargs="+", default=["w8", "w8-conv", "bf16-twin"])
+    ap.add_argument("--variants", nargs="+", default=["w8", "w8-conv", "bf16-twin", "vllm-fp8"])
     ap.add_argument("--repeats", type=int, default=2, help="rounds of all variants, alternating; medians reported")
     ap.add_argument("--isa", default="auto", help="VLLM_MOE_W8_CPU_ISA for the served w8 variants")
     a = ap.parse_args(argv)
@@ -162,11 +184,19 @@ def main(argv=None):
     runs: dict[str, list[dict]] = {name: [] for name in a.variants}
     for rep in range(a.repeats):  # variants alternate (order reversed every other round): load drift hits all alike
         for name in (a.variants if rep % 2 == 0 else a.variants[::-1]):
+            if runs[name] and runs[name][-1].get("started") is False:
+                continue  # it could not start: once is the record
             print(f"running {name} (round {rep + 1}/{a.repeats}) ...", flush=True)
             runs[name].append(run_variant(name, models[name], a, a.dir))
             print(f"  {name}: {json.dumps(runs[name][-1])}", flush=True)
+    not_started = {}
     for name, rs in runs.items():
+        if rs and rs[-1].get("started") is False:
+            not_started[name] = rs[-1]
+            print(f"{name}: did not start: {rs[-1]['reason']}")
+            continue
         results["variants"][name] = {**rs[-1], **median_of(rs, a.batches), "runs": rs}
+    results["not_started"] = not_started
     v = results["variants"]
     base = v.get("bf16-twin")
     print(f"\nmodel: Qwen3-MoE layout, {a.layers} layers, H {a.hidden}, I {a.inter}, E {a.experts}, top-{a.top_k}; "

@@ -23,6 +23,10 @@ Writes ``benchmarks/results/moe_op-[amx-]<isa>[-forced][-<n>thread].json`` (CPU 
     .venv/bin/python -m benchmarks.bench_moe_op --check
     .venv/bin/python -m benchmarks.bench_moe_op --isa avx2 --tokens 1 8 64    # the AVX2 variant, forced
     .venv/bin/python -m benchmarks.bench_moe_op --threads 1    # one thread each: no thread scheduling in the ratio
+    .venv/bin/python -m benchmarks.bench_moe_op --isa avx2 --vllm-build avx2   # an AVX2-only host, emulated
+
+``--vllm-build avx2`` loads vLLM's ``_C_AVX2`` library (the build ``vllm/platforms/cpu.py`` imports on a CPU without
+AVX-512) instead of the one this CPU selects, so with ``--isa avx2`` both sides run what an AVX2-only host runs.
 """
 
 from __future__ import annotations
@@ -198,7 +202,11 @@ def main(argv=None):
     ap.add_argument("--isa", default="auto", help="VLLM_MOE_W8_CPU_ISA for w8: auto, avx512bf16, avx2, torch")
     ap.add_argument("--check", action="store_true", help=f"also measure each path's error vs float64 at T={CHECK_T}")
     ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: torch's)")
+    ap.add_argument("--vllm-build", default="host", choices=["host", "avx2"],
+                    help="vLLM's kernel library: the one this CPU selects, or _C_AVX2 (what an AVX2-only host runs)")
     a = ap.parse_args(argv)
+    if a.vllm_build == "avx2":  # vllm.platforms.cpu.import_kernels picks _C_AVX2 where AVX-512 is absent
+        torch.cpu._is_avx512_supported = lambda: False
     os.environ["VLLM_MOE_W8_CPU_ISA"] = a.isa
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -212,6 +220,8 @@ def main(argv=None):
     forced = a.isa != "auto" and cpu_moe_native.host_isas()[:1] != [a.isa]
     kernels, record = vllm_moe_kernels.kernels(BLOCK)
     amx = record["bf16_isa"] == "amx"
+    record["library"] = vllm_moe_kernels.loaded_library() + (" (forced: --vllm-build avx2)" if a.vllm_build == "avx2" else "")
+    print(f"vLLM's kernel library: {record['library']}")
     load_start = os.getloadavg()
     print(f"threads={torch.get_num_threads()}  w8 implementation: {impl}{' (forced)' if forced else ''}  "
           f"load average at start: {load_start[0]:.1f}")
@@ -234,7 +244,8 @@ def main(argv=None):
               + ("" if amx else f"; >= 1.3x vLLM BF16 at T <= 8: {'met' if not small else f'NOT met at T={small}'}"))
     results["loadavg_at_start"] = list(load_start)
     results["threads_forced"] = a.threads
-    variant = f"{'amx-' if amx else ''}{isa}{'-forced' if forced else ''}{f'-{a.threads}thread' if a.threads else ''}"
+    variant = (f"{'amx-' if amx else ''}{isa}{'-forced' if forced else ''}{f'-{a.threads}thread' if a.threads else ''}"
+               f"{'-vllm_avx2' if a.vllm_build == 'avx2' else ''}")
     write_json(f"moe_op-{variant}", results)
 
 

@@ -63,6 +63,13 @@ def _fp8(block) -> Kernel:
     return Kernel("vllm_fp8", "vLLM FP8 W8A16 fused_experts_cpu (prepare_fp8_moe_layer_for_cpu)", prepare, run)
 
 
+def loaded_library() -> str:
+    """File name of the vLLM kernel library this process loaded (_C, _C_AVX512 or _C_AVX2)."""
+    with open("/proc/self/maps") as maps:
+        names = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/vllm/_C" in line}
+    return ", ".join(sorted(names)) or "unknown"
+
+
 def kernels(block=(128, 128)) -> tuple[dict[str, Kernel], dict]:
     """(runnable kernels by name, record: bf16_isa, fp8, zentorch, each with the reason)."""
     try:

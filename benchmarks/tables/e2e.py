@@ -7,7 +7,8 @@ from pathlib import Path
 
 from benchmarks.readme_tables import markdown_table
 
-LABELS = {"w8": "neuron-w8 (repack at load)", "w8-conv": "neuron-w8, pre-converted", "bf16-twin": "BF16 twin (vLLM unquantised)"}
+LABELS = {"w8": "neuron-w8 (repack at load)", "w8-conv": "neuron-w8, pre-converted", "bf16-twin": "BF16 twin (vLLM unquantised)",
+          "vllm-fp8": "vLLM's own fp8 (`quantization=\"fp8\"`, no plugin)"}
 
 
 def render(results_dir: Path) -> str:
@@ -33,6 +34,12 @@ def render(results_dir: Path) -> str:
             ratio = r.get("expert_bytes_vs_twin")
             cells.append(f"{r['expert_bytes'] / 1e6:.0f} MB" + ("" if ratio is None else f" ({ratio:.2f}x)"))
             rows.append(cells)
-        parts.append(markdown_table(["variant", "CPU MoE", "start-up"] + [f"tok/s batch {b}" for b in batches]
-                                    + ["expert memory"], rows))
+        failed = data.get("not_started", {})
+        for name in failed:
+            rows.append([LABELS.get(name, name), "—", "did not start"] + ["—"] * len(batches) + ["—"])
+        table = markdown_table(["variant", "CPU MoE", "start-up"] + [f"tok/s batch {b}" for b in batches]
+                               + ["expert memory"], rows)
+        for name, r in failed.items():
+            table += f"\n{LABELS.get(name, name)} did not start on this CPU (exit {r['exit']}): `{r['reason']}`\n"
+        parts.append(table)
     return "\n".join(parts) if parts else "(no e2e-*.json recorded yet)\n"

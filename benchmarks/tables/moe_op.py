@@ -31,6 +31,8 @@ def _header(path: Path, data: dict, model: dict) -> str:
     how = "forced on this machine" if data["forced"] else "chosen for this CPU"
     if data.get("threads_forced"):
         how += f", every implementation limited to {data['threads_forced']} thread(s)"
+    if "library" in data.get("vllm", {}):
+        how += f"; vLLM's kernel library {data['vllm']['library']}"
     text = (f"`{path.name}`: **{data['w8_impl']}** ({how}); {m['cpu_model']}, {m['torch_threads']} threads, ISA flags "
             f"{' '.join(m['isa'])}; load average {load[0]:.1f} at start, {m['loadavg_1_5_15'][0]:.1f} at end. "
             f"{model['model']} shape (H {model['H']}, I {model['I']}, E {model['E']}, top-{model['top_k']}); expert "

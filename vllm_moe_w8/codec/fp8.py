@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_moe_w8.codec import repack_native
+from vllm_moe_w8.codec import repack_native, repack_numpy
 
 E4M3_MAX = 240.0  # Trn2 float8_e4m3
 E4M3FN_MAX = 448.0  # OCP float8_e4m3fn
@@ -244,14 +244,6 @@ def _has_nan_code(codes: torch.Tensor) -> bool:
     return bool(np.any((c & 0x7F) == NAN_MAG))  # numpy: uint8 elementwise is vectorised, torch's is not
 
 
-def _tile_max(x: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """Maximum of each tile of a 2-D array, ragged edges included (no padding copy)."""
-    n, k = x.shape
-    bn, bk = block
-    per_row = np.maximum.reduceat(x, np.arange(0, k, bk or k), axis=1) if k else x[:, :0]
-    return np.maximum.reduceat(per_row, np.arange(0, n, bn), axis=0)
-
-
 def count_nan_codes(codes: torch.Tensor) -> int:
     """Number of e4m3fn NaN bytes (0x7F / 0xFF)."""
     return int(((_as_bytes(codes) & 0x7F) == NAN_MAG).sum())
@@ -319,49 +311,25 @@ def repack(
 
 
 def _repack_pow2(codes, s, block, name) -> Repacked:
-    """One pass per tile row in the native library (:mod:`repack_native`, threads) where it builds; else in numpy
-    (uint8 elementwise ops there are ~5x torch's on CPU), no loop over tiles -- the same bytes either way.
-
-    numpy: real checkpoints shift nearly every tile, so every byte is halved first (:func:`_halve_bytes`) and
-    the tiles that must not shift (if any) get their original bytes back.
-    """
+    """One pass per tile row in the native library (:mod:`repack_native`, threads) where it builds; else the numpy
+    body (:mod:`repack_numpy`, a few vectorised passes) -- the same bytes, tile maxima and counts either way."""
     n, k = codes.shape
     bn, bk = block[0], block[1] or k
     c = _np_bytes(codes)
     stats = RepackStats(blocks=s.numel(), values=c.size)
     if c.size == 0:
         return Repacked(codes.contiguous(), s.contiguous(), "pow2", block, stats)
-    native = repack_native.pow2(c, bn, bk)
-    mag = None if native else c & 0x7F
-    tile_max = native[1] if native else _tile_max(mag, (bn, bk))
+    out, tile_max, rounded = repack_native.pow2(c, bn, bk) or repack_numpy.pow2(c, bn, bk)
     if int(tile_max.max()) == NAN_MAG:  # 0x7F is the largest magnitude: a tile holding it holds a NaN code
         _raise_nan(codes, name)
-    shift = tile_max >= FN_ONLY_MIN_MAG  # [gn, gk]
-    n_shift = int(shift.sum())
-    if native:
-        stats.blocks_shifted, rounded = n_shift, torch.from_numpy(native[2])  # counted in shifted tiles only
-        stats.values_changed = int(rounded.sum())
-        if stats.values_changed:  # see below
-            stats.max_abs_error = float(s[rounded > 0].max()) * 2.0**-9
-        return Repacked(torch.from_numpy(native[0]), torch.where(torch.from_numpy(shift), s * 2.0, s).contiguous(), "pow2", block, stats)
-    if n_shift == 0:
-        return Repacked(torch.from_numpy(c.copy()), s.contiguous(), "pow2", block, stats)
-    shift_t = torch.from_numpy(shift)
-    new_s = torch.where(shift_t, s * 2.0, s)  # exact: _check_scales refused scales with s * 448 = inf
-    out, small = _halve_bytes(c, mag)
-    m = mag.ravel()[small]
-    if n_shift < shift.size:
-        keep = ~np.repeat(np.repeat(shift, bn, axis=0)[:n], bk, axis=1)[:, :k]
-        out[keep] = c[keep]
-    odd = small[(m & 1) == 1]
-    rows, cols = odd // k, odd % k
-    in_shifted = shift[rows // bn, cols // bk]
-    stats.blocks_shifted = n_shift
-    stats.values_changed = int(in_shifted.sum())
+    shift = torch.from_numpy(tile_max >= FN_ONLY_MIN_MAG)  # [gn, gk]
+    rounded = torch.from_numpy(rounded)  # counted in shifted tiles only
+    stats.blocks_shifted = int(shift.sum())
+    stats.values_changed = int(rounded.sum())
     if stats.values_changed:
         # A rounded value moves by half a unit of 2**-9 at the doubled scale: 2**-10 * 2s = 2**-9 * s.
-        tiles = torch.from_numpy(rows[in_shifted] // bn), torch.from_numpy(cols[in_shifted] // bk)
-        stats.max_abs_error = float(s[tiles].max()) * 2.0**-9
+        stats.max_abs_error = float(s[rounded > 0].max()) * 2.0**-9
+    new_s = torch.where(shift, s * 2.0, s)  # exact: _check_scales refused scales with s * 448 = inf
     return Repacked(torch.from_numpy(out), new_s.contiguous(), "pow2", block, stats)
 
 

@@ -1,7 +1,7 @@
 // The pow2 repack (vllm_moe_w8/codec/fp8.py, mode "pow2") in one read and one write of the bytes per tile row.
 //
 // Built at first use by vllm_moe_w8/codec/repack_native.py (g++ -O3 [-mavx2]; plain C++ vectorised by the
-// compiler, std::thread helpers), loaded with ctypes. Same numbers as fp8._halve_bytes, byte for byte:
+// compiler, std::thread helpers), loaded with ctypes. Same bytes as the numpy body (repack_numpy.py), byte for byte:
 //   a tile whose largest magnitude code is >= 0x78 (e4m3fn-only) is halved: magnitudes >= 0x10 lose one
 //   exponent step (code - 8, exact); below 0x10 the magnitude is the value in units of 2^-9 and its half is
 //   rounded to nearest even, which is again its own code; the sign bit is kept. Other tiles are copied.

@@ -4,8 +4,10 @@
 // instruction set is AVX2 (or when VLLM_MOE_W8_CPU_ISA=avx2), loaded with ctypes; no torch headers. Threads: the
 // caller and nthreads - 1 helpers that it never waits to start (moe_common.h, run_phases).
 //
-// Numbers: each weight is the float32 product code_value * tile_scale, rounded once -- exactly what
-// fp8.dequantize computes -- and every sum is accumulated in float32.
+// Numbers: every product and sum in float32. Panel path (many tokens): each weight is the float32 product
+// code_value * tile_scale, rounded once -- exactly what fp8.dequantize computes. Few tokens: the exact code values
+// are multiplied with the inputs and each scale tile's float32 partial sum is multiplied by its scale (one rounding
+// per tile instead of one per weight; both within float32 summation error of the exact product).
 //   decode: an E4M3/E4M3FN byte s.eeee.mmm placed as float16 bits s.0eeee.mmm0000000 is code_value / 256
 //   (normals and subnormals alike; F16C converts float16 subnormals exactly), so
 //   weight = fp32(half) * (256 * scale) with a single rounding. Codes must be finite in their format
@@ -37,6 +39,7 @@ namespace {
 constexpr int kPanelRows = 4;   // rows decoded at once
 constexpr int kTokenTile = 3;   // tokens per register tile
 constexpr int kTokenBlock = 32; // tokens whose inputs stay in L2 while a panel is reused
+constexpr int64_t kChunk = 256; // panel columns decoded at once when one scale tile spans the row (bk == 0)
 
 struct Matrix {  // one expert matrix [N, K] of codes with its scale grid
   const uint8_t* codes;
@@ -45,27 +48,26 @@ struct Matrix {  // one expert matrix [N, K] of codes with its scale grid
   int64_t bn, bk, gk;
 };
 
-// Decode rows [n0, n0 + rows) of m into panel (row-major, stride m.k).
-inline void decode_rows(const Matrix& m, int64_t n0, int rows, float* panel) {
+// Decode columns [k0, k1) of rows [n0, n0 + rows) of m into panel (row-major, stride k1 - k0; k0, k1 multiples
+// of 16 inside one scale tile column, or bk == 0).
+inline void decode_rows(const Matrix& m, int64_t n0, int rows, int64_t k0, int64_t k1, float* panel) {
   const __m256i sign_bit = _mm256_set1_epi16(0x4000);
+  const int64_t b = m.bk ? k0 / m.bk : 0;
   for (int r = 0; r < rows; ++r) {
     const int64_t n = n0 + r;
     const uint8_t* src = m.codes + n * m.k;
-    const float* srow = m.scales + (n / m.bn) * m.gk;
-    float* dst = panel + r * m.k;
-    const int64_t bk = m.bk ? m.bk : m.k;
-    for (int64_t kb = 0, b = 0; kb < m.k; kb += bk, ++b) {
-      const __m256 sc = _mm256_set1_ps(srow[b] * 256.0f);
-      const int64_t kend = std::min(kb + bk, m.k);
-      for (int64_t k = kb; k < kend; k += 16) {
-        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k)));
-        w = _mm256_slli_epi16(w, 7);                              // s at bit 14, eeee.mmm at 13..7
-        w = _mm256_add_epi16(w, _mm256_and_si256(w, sign_bit));  // move s to bit 15
-        __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
-        __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
-        _mm256_storeu_ps(dst + k, _mm256_mul_ps(lo, sc));
-        _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(hi, sc));
-      }
+    float* dst = panel + r * (k1 - k0) - k0;
+    const __m256 sc = _mm256_set1_ps(m.scales[(n / m.bn) * m.gk + b] * 256.0f);
+    for (int64_t k = k0; k < k1; k += 16) {
+      // the row's next chunk (or the next row), used after this panel's dot products: from memory meanwhile
+      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + k + (k1 - k0)), _MM_HINT_T0);
+      __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k)));
+      w = _mm256_slli_epi16(w, 7);                              // s at bit 14, eeee.mmm at 13..7
+      w = _mm256_add_epi16(w, _mm256_and_si256(w, sign_bit));  // move s to bit 15
+      __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
+      __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
+      _mm256_storeu_ps(dst + k, _mm256_mul_ps(lo, sc));
+      _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(hi, sc));
     }
   }
 }
@@ -77,81 +79,81 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// res[r][m] = dot(panel row r, x row m) for R rows and M tokens, K % 8 == 0.
+// acc[r][j] += (panel row r) * (x row j) over columns [k0, k1) (panel stride k1 - k0), as 8 partial sums each:
+// R rows x M tokens of float32 vectors kept in memory between column chunks (one load and store per chunk).
 template <int R, int M>
-inline void dot_tile(const float* panel, int64_t k, const float* const* xs, float res[kPanelRows][kTokenTile]) {
-  __m256 acc[R][M];
+inline void dot_tile(const float* panel, int64_t k0, int64_t k1, const float* const* xs, __m256* acc) {
+  __m256 a[R][M];
+  const int64_t kc = k1 - k0;
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 3
-    for (int j = 0; j < M; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t kk = 0; kk < k; kk += 8) {
+    for (int j = 0; j < M; ++j) a[r][j] = _mm256_load_ps(reinterpret_cast<const float*>(acc + r * kTokenTile + j));
+  for (int64_t kk = 0; kk < kc; kk += 8) {
     __m256 w[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) w[r] = _mm256_loadu_ps(panel + r * k + kk);
+    for (int r = 0; r < R; ++r) w[r] = _mm256_loadu_ps(panel + r * kc + kk);
 #pragma GCC unroll 3
     for (int j = 0; j < M; ++j) {
-      const __m256 xv = _mm256_loadu_ps(xs[j] + kk);
+      const __m256 xv = _mm256_loadu_ps(xs[j] + k0 + kk);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(w[r], xv, acc[r][j]);
+      for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(w[r], xv, a[r][j]);
     }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 3
-    for (int j = 0; j < M; ++j) res[r][j] = hsum(acc[r][j]);
+    for (int j = 0; j < M; ++j) _mm256_store_ps(reinterpret_cast<float*>(acc + r * kTokenTile + j), a[r][j]);
 }
 
 template <int R>
-inline void dot_tile_m(int m, const float* panel, int64_t k, const float* const* xs, float res[kPanelRows][kTokenTile]) {
+inline void dot_tile_m(int m, const float* panel, int64_t k0, int64_t k1, const float* const* xs, __m256* acc) {
   switch (m) {
-    case 1: dot_tile<R, 1>(panel, k, xs, res); break;
-    case 2: dot_tile<R, 2>(panel, k, xs, res); break;
-    default: dot_tile<R, 3>(panel, k, xs, res); break;
+    case 1: dot_tile<R, 1>(panel, k0, k1, xs, acc); break;
+    case 2: dot_tile<R, 2>(panel, k0, k1, xs, acc); break;
+    default: dot_tile<R, 3>(panel, k0, k1, xs, acc); break;
   }
 }
 
-inline void dot_tile_any(int r, int m, const float* panel, int64_t k, const float* const* xs, float res[kPanelRows][kTokenTile]) {
+inline void dot_tile_any(int r, int m, const float* panel, int64_t k0, int64_t k1, const float* const* xs, __m256* acc) {
   switch (r) {
-    case 1: dot_tile_m<1>(m, panel, k, xs, res); break;
-    case 2: dot_tile_m<2>(m, panel, k, xs, res); break;
-    case 3: dot_tile_m<3>(m, panel, k, xs, res); break;
-    default: dot_tile_m<4>(m, panel, k, xs, res); break;
+    case 1: dot_tile_m<1>(m, panel, k0, k1, xs, acc); break;
+    case 2: dot_tile_m<2>(m, panel, k0, k1, xs, acc); break;
+    case 3: dot_tile_m<3>(m, panel, k0, k1, xs, acc); break;
+    default: dot_tile_m<4>(m, panel, k0, k1, xs, acc); break;
   }
-}
-
-// Sixteen codes -> two float32 vectors of weights (code value x scale), see decode_rows.
-inline void decode16(const uint8_t* src, __m256 sc, __m256i sign_bit, __m256& lo, __m256& hi) {
-  __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  w = _mm256_slli_epi16(w, 7);
-  w = _mm256_add_epi16(w, _mm256_and_si256(w, sign_bit));
-  lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(w)), sc);
-  hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(w, 1)), sc);
 }
 
 // Few tokens: res[j] = dot(row n of mat, xs[j]) for M <= kFusedTokens, decoding straight into registers
-// (each 16 codes decoded once, used by every token). M <= 2 keep two accumulators per token (latency).
+// (each 16 codes decoded once, used by every token). Per scale tile the exact code values (x 2^-8, as float16 bits)
+// are dotted with the inputs and the tile's partial sum is multiplied by 256 * scale: no multiply per weight.
+// M <= 6 keep two accumulators per token (two FMA chains: latency, not throughput, bounds one chain).
 constexpr int kFusedTokens = 8;
 constexpr int kPrefetch = 512;  // bytes of codes ahead
 template <int M>
 inline void fused_row_dot(const Matrix& m, int64_t n, const float* const* xs, float* res) {
-  constexpr bool kSplit = M <= 2;
+  constexpr bool kSplit = M <= 6;
   const __m256i sign_bit = _mm256_set1_epi16(0x4000);
   const uint8_t* src = m.codes + n * m.k;
   const float* srow = m.scales + (n / m.bn) * m.gk;
   const int64_t bk = m.bk ? m.bk : m.k;
-  __m256 acc_lo[M], acc_hi[kSplit ? M : 1];
+  __m256 tot[M];
 #pragma GCC unroll 8
-  for (int j = 0; j < M; ++j) acc_lo[j] = _mm256_setzero_ps();
-#pragma GCC unroll 2
-  for (int j = 0; j < (kSplit ? M : 1); ++j) acc_hi[j] = _mm256_setzero_ps();
+  for (int j = 0; j < M; ++j) tot[j] = _mm256_setzero_ps();
   for (int64_t kb = 0, b = 0; kb < m.k; kb += bk, ++b) {
-    const __m256 sc = _mm256_set1_ps(srow[b] * 256.0f);
     const int64_t kend = std::min(kb + bk, m.k);
+    __m256 acc_lo[M], acc_hi[kSplit ? M : 1];
+#pragma GCC unroll 8
+    for (int j = 0; j < M; ++j) acc_lo[j] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int j = 0; j < (kSplit ? M : 1); ++j) acc_hi[j] = _mm256_setzero_ps();
     for (int64_t k = kb; k < kend; k += 16) {
       _mm_prefetch(reinterpret_cast<const char*>(src + k + kPrefetch), _MM_HINT_T0);
-      __m256 lo, hi;
-      decode16(src + k, sc, sign_bit, lo, hi);
+      __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k)));
+      w = _mm256_slli_epi16(w, 7);
+      w = _mm256_add_epi16(w, _mm256_and_si256(w, sign_bit));
+      const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
+      const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
 #pragma GCC unroll 8
       for (int j = 0; j < M; ++j) {
         acc_lo[j] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs[j] + k), acc_lo[j]);
@@ -162,15 +164,18 @@ inline void fused_row_dot(const Matrix& m, int64_t n, const float* const* xs, fl
         }
       }
     }
-  }
+    const __m256 sc = _mm256_set1_ps(srow[b] * 256.0f);
 #pragma GCC unroll 8
-  for (int j = 0; j < M; ++j) {
-    if constexpr (kSplit) {
-      res[j] = hsum(_mm256_add_ps(acc_lo[j], acc_hi[j]));
-    } else {
-      res[j] = hsum(acc_lo[j]);
+    for (int j = 0; j < M; ++j) {
+      if constexpr (kSplit) {
+        tot[j] = _mm256_fmadd_ps(_mm256_add_ps(acc_lo[j], acc_hi[j]), sc, tot[j]);
+      } else {
+        tot[j] = _mm256_fmadd_ps(acc_lo[j], sc, tot[j]);
+      }
     }
   }
+#pragma GCC unroll 8
+  for (int j = 0; j < M; ++j) res[j] = hsum(tot[j]);
 }
 
 inline void fused_row_dot_any(int count, const Matrix& m, int64_t n, const float* const* xs, float* res) {
@@ -197,17 +202,28 @@ void matmul_rows(const Matrix& mat, int64_t n0, int64_t n1, const float* const* 
     }
     return;
   }
-  float res[kPanelRows][kTokenTile];
+  // Panel path: per block of kTokenBlock tokens and kPanelRows rows, the columns in chunks of one scale tile
+  // (at most kChunk): decode the chunk of the rows (an L1-resident panel), then every token tile's partial sums.
+  const int64_t chunk = mat.bk ? mat.bk : std::min<int64_t>(kChunk, mat.k);
+  constexpr int kTiles = (kTokenBlock + kTokenTile - 1) / kTokenTile;
+  alignas(32) __m256 acc[kTiles * kPanelRows * kTokenTile];
   for (int64_t t0 = 0; t0 < count; t0 += kTokenBlock) {
     const int64_t t1 = std::min(t0 + kTokenBlock, count);
     for (int64_t n = n0; n < n1; n += kPanelRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, n1 - n));
-      decode_rows(mat, n, rows, panel);
-      for (int64_t t = t0; t < t1; t += kTokenTile) {
+      std::fill(acc, acc + kTiles * kPanelRows * kTokenTile, _mm256_setzero_ps());
+      for (int64_t k0 = 0; k0 < mat.k; k0 += chunk) {
+        const int64_t k1 = std::min(k0 + chunk, mat.k);
+        decode_rows(mat, n, rows, k0, k1, panel);
+        for (int64_t t = t0, tile = 0; t < t1; t += kTokenTile, ++tile) {
+          const int toks = static_cast<int>(std::min<int64_t>(kTokenTile, t1 - t));
+          dot_tile_any(rows, toks, panel, k0, k1, xs + t, acc + tile * kPanelRows * kTokenTile);
+        }
+      }
+      for (int64_t t = t0, tile = 0; t < t1; t += kTokenTile, ++tile) {
         const int toks = static_cast<int>(std::min<int64_t>(kTokenTile, t1 - t));
-        dot_tile_any(rows, toks, panel, mat.k, xs + t, res);
         for (int r = 0; r < rows; ++r)
-          for (int j = 0; j < toks; ++j) emit(t + j, n + r, res[r][j]);
+          for (int j = 0; j < toks; ++j) emit(t + j, n + r, hsum(acc[tile * kPanelRows * kTokenTile + r * kTokenTile + j]));
       }
     }
   }
