@@ -13,7 +13,7 @@ Two implementations (both touch only the routed experts and group tokens by expe
     products against the activations split into BF16 planes that sum to them exactly (one plane for BF16
     inputs); each scale tile's partial sum is multiplied by its float32 scale. The intermediate
     ``h = silu(gate) * up`` (float32) enters the down projection as two BF16 planes (2^-18 relative: the
-    exact path) or, for BF16 activations by default, as one: h rounded to nearest BF16, as vLLM's own BF16 MoE
+    exact path, the default) or, for BF16 activations with ``VLLM_MOE_W8_CPU_H=bf16``, as one: h rounded to nearest BF16, as vLLM's own BF16 MoE
     rounds its intermediate -- half the down projection's dot products (see :func:`h_precision`).
   - ``avx2``: FP8 byte -> float16 bits with one shift/and/add, float16 -> float32 with F16C, times the tile's
     scale -- the same float32 weight as ``fp8.dequantize`` -- and FMA; h stays float32.
