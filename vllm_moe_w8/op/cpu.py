@@ -23,8 +23,8 @@ Two implementations (both touch only the routed experts and group tokens by expe
   the caller and helpers that claim work items from atomic counters; the caller never waits for a helper to
   start (on a busy machine an OpenMP region's barriers wait for every thread to be scheduled). Codes must be finite in their format (repack and
   the checkpoint validation guarantee it). The first call that reads an expert tensor backs its memory with 2 MiB
-  pages (:mod:`vllm_moe_w8.op.hugepages`, ``VLLM_MOE_W8_CPU_HUGEPAGES``): decode streams the codes, 4 KiB pages cost
-  it ~15 %.
+  pages (:mod:`vllm_moe_w8.op.hugepages`, ``VLLM_MOE_W8_CPU_HUGEPAGES``): decode streams the codes (``w8_4k`` in
+  ``benchmarks/bench_moe_op.py``: what 4 KiB pages cost).
 * ``torch`` (the portable fallback): dequantises each routed expert once per call and uses torch
   matmuls (exact, float32 h). Used where no native variant fits the CPU, the build fails, or the shapes are
   not covered.

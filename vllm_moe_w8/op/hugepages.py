@@ -2,9 +2,10 @@
 
 Decode (a few tokens) is memory-bound: every call reads the routed experts' codes once, 3 MB per expert at
 Qwen3.5-35B-A3B width, from a different place each layer. In 4 KiB pages that is one TLB miss and one hardware
-prefetch restart per 4 KiB (the prefetchers stop at page boundaries); in 2 MiB pages neither. Measured on the AMD
-EPYC this project runs on (one thread, same kernel, codes in 4 KiB vs 2 MiB pages): 1.15x at T=1, 1.17-1.19x at
-T=4 and 8 (``benchmarks/bench_moe_op.py`` records the op with and without, ``VLLM_MOE_W8_CPU_HUGEPAGES``).
+prefetch restart per 4 KiB (the prefetchers stop at page boundaries); in 2 MiB pages neither.
+``benchmarks/bench_moe_op.py`` records the op on collapsed codes (``w8``) and on a copy left in 4 KiB pages
+(``w8_4k``) side by side: on the loaded AMD EPYC here 0.96-1.07x at T <= 8 on one thread and 1.02-1.13x on two (a
+first A/B of the kernel alone at a lower load gave 1.15-1.19x; the gain shrinks when other jobs saturate memory).
 
 :func:`ensure` is called by the op with each expert tensor it is about to read; the first time it sees a tensor it
 asks Linux to back the 2 MiB-aligned interior of its memory with huge pages (``madvise(MADV_HUGEPAGE)``, then
@@ -12,7 +13,7 @@ asks Linux to back the 2 MiB-aligned interior of its memory with huge pages (``m
 collapses them later, at its own pace). Nothing changes in the bytes, the layout or the tensor: only how the
 kernel maps them. ``VLLM_MOE_W8_CPU_HUGEPAGES``: ``collapse`` (default), ``advise`` (MADV_HUGEPAGE only: no
 copy now, khugepaged later) or ``off``. The one-time cost of ``collapse`` is a copy of the codes by the kernel
-(measured here: ~4 s per GB under load, paid once per tensor, at the first forward -- vLLM's warm-up). Where THP is
+(recorded here: 2.1 s for 768 MiB under load, paid once per tensor, at the first forward -- vLLM's warm-up). Where THP is
 disabled (``/sys/kernel/mm/transparent_hugepage/enabled`` = never), off Linux, or for memory Linux cannot collapse
 (file-backed), the call changes nothing and :func:`status` says why.
 """
