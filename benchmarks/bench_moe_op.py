@@ -7,6 +7,8 @@ Side by side in one run, for each token count T:
                   exact h by default; run with ``VLLM_MOE_W8_CPU_H=bf16`` to measure the opt-in BF16 h, which the
                   results recorded before it became opt-in used) with the native variant chosen by ``--isa``;
 * ``w8_exact`` -- the same kernel with the exact h, where that is another path (i.e. under ``VLLM_MOE_W8_CPU_H=bf16``);
+* ``w8_4k``    -- ``w8`` on a copy of the codes left in 4 KiB pages (the op backs the resident codes with 2 MiB pages,
+                  :mod:`vllm_moe_w8.op.hugepages`; this column is what that buys), native paths only;
 * vLLM's kernels (:mod:`benchmarks.vllm_moe_kernels`): its FP8 W8A16 MoE where this CPU has it (AMX hosts; recorded
   as "not available on this CPU" elsewhere), its BF16 MoE with the ISA it picks here (``amx`` or ``vec``) over
   the exactly dequantised experts rounded to BF16 (the BF16 twin), and ``vec`` for continuity.
@@ -129,6 +131,7 @@ def measure_errors(fns, w8_exact, h, e, k, gen, experts):
 
 def bench_model(key, tokens, reps, check, vllm_kernels, amx, experts_override=None, seed=0):
     from vllm_moe_w8.op import cpu as cpu_moe
+    from vllm_moe_w8.op import hugepages
 
     name, h, inter, e, k = MODELS[key]
     e = experts_override or e
@@ -149,6 +152,13 @@ def bench_model(key, tokens, reps, check, vllm_kernels, amx, experts_override=No
                 ) if impl != "torch" else fns["w8"]
     if h_default != "exact":
         fns["w8_exact"] = w8_exact
+    if impl != "torch" and hugepages.choice() != "off":  # the same path on codes in 4 KiB pages
+        small = (w13.clone(), w2.clone())
+        for codes in small:
+            hugepages.ensure(codes, mode="off")  # registered as seen: the op leaves these pages alone
+        fns["w8_4k"] = lambda a: cpu_moe.fused_moe_cpu(a[0], a[1], a[2], small[0], w13_s, small[1], w2_s, *BLOCK, "e4m3")
+        for fn in (fns["w8"], fns["w8_4k"]):  # first touch now (the collapse), not in the warm-up of the timing
+            fn(fresh_inputs(1, h, e, k, gen))
     for n, kern in vllm_kernels.items():
         fns[n] = lambda a, kern=kern, st=states[n]: kern.run(a[0], a[1], a[2], st)
     bf16_name = "vllm_bf16_amx" if amx else "vllm_bf16_vec"
@@ -170,7 +180,9 @@ def bench_model(key, tokens, reps, check, vllm_kernels, amx, experts_override=No
             row["goal_bf16_small_t_met"] = row[f"w8_vs_{bf16_name}"] >= GOAL_SMALL_T
         rows.append(row)
         print(_fmt_row(row, list(vllm_kernels), "w8_exact" in fns, bf16_name), flush=True)
-    res = {"model": name, "H": h, "I": inter, "E": e, "top_k": k, "w8_h": h_default,
+    huge = {**hugepages.status(), "anon_huge_bytes": hugepages.huge_bytes_of_process(),
+            "codes_bytes": w13.nbytes + w2.nbytes}
+    res = {"model": name, "H": h, "I": inter, "E": e, "top_k": k, "w8_h": h_default, "hugepages": huge,
            "w8_h_reason": cpu_moe.h_reason(torch.bfloat16, isa, h_default) if impl != "torch" else "torch path: exact",
            "resident_bytes": {"w8": w8_bytes, "bf16": bf16_bytes}, "memory_ratio": w8_bytes / bf16_bytes,
            "memory_goal": GOAL_MEMORY, "memory_goal_met": w8_bytes / bf16_bytes <= GOAL_MEMORY, "rows": rows}
@@ -183,6 +195,7 @@ def bench_model(key, tokens, reps, check, vllm_kernels, amx, experts_override=No
 
 def _fmt_row(r, vllm_names, with_exact, bf16_name):
     cells = [r["T"], r["reps"], f"{r['w8_ms']:.2f}"] + ([f"{r['w8_exact_ms']:.2f}"] if with_exact else [])
+    cells += [f"{r['w8_4k_ms']:.2f} ({r['w8_4k_ms'] / r['w8_ms']:.2f}x)"] if "w8_4k_ms" in r else []
     cells += [f"{r[f'{n}_ms']:.2f}" for n in vllm_names]
     cells += [f"{r['w8_vs_fastest']:.2f}x ({r['fastest_vllm']})", f"{r['w8_vs_fastest_cpu']:.2f}x",
               f">= 1.0x: {'met' if r['goal_fastest_met'] else 'NOT met'}"]
@@ -228,7 +241,9 @@ def main(argv=None):
     print(f"vLLM here: BF16 isa {record['bf16_isa']} ({record['bf16_isa_reason']}); FP8: {record['fp8']}; "
           f"zentorch: {record['zentorch']}")
     print("ratios are throughput ratios w8 / vLLM, medians of interleaved calls with fresh routings")
-    head = ["T", "calls", "w8 ms"] + (["w8 exact-h ms"] if impl == "native-avx512bf16" else []) + \
+    with_exact = impl == "native-avx512bf16" and cpu_moe.h_precision(torch.bfloat16, isa) != "exact"
+    head = ["T", "calls", "w8 ms"] + (["w8 exact-h ms"] if with_exact else []) + \
+        (["w8 in 4 KiB pages ms (w8 faster by)"] if impl != "torch" else []) + \
         [f"{n} ms" for n in kernels] + ["w8/fastest vLLM (wall)", "(CPU time)", "goal", "w8/vLLM BF16 at T<=8"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     results = {"w8_impl": impl, "isa": isa, "forced": forced, "amx": amx, "vllm": record,

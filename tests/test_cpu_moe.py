@@ -3,7 +3,7 @@
 Every implementation (the portable torch path and every native variant this CPU can run -- on an AVX-512 BF16
 host both ``avx512bf16`` and ``avx2``) must give the reference's numbers up to float32 rounding, for every scale
 layout the op accepts; the avx512bf16 variant's BF16-h path (``native-avx512bf16-bf16h``: h rounded to BF16
-before the down projection, its default for BF16 activations) additionally up to that rounding's bound
+before the down projection, opt-in with VLLM_MOE_W8_CPU_H=bf16; exactly that rounding: tests/test_cpu_moe_bf16h.py) additionally up to that rounding's bound
 (:data:`H_BF16_REL`). A native variant the host's flags allow is always parametrised: if its build breaks,
 these tests fail rather than skip.
 """

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from benchmarks.readme_tables import markdown_table
 
-LABELS = {"w8": "neuron-w8, the recorded default (w8)", "w8_exact": "neuron-w8, exact h", "vllm_fp8": "vLLM FP8 W8A16",
+LABELS = {"w8": "neuron-w8, the recorded default (w8)", "w8_exact": "neuron-w8, exact h", "w8_4k": "neuron-w8, codes in 4 KiB pages", "vllm_fp8": "vLLM FP8 W8A16",
           "vllm_bf16_amx": "vLLM BF16 amx (BF16 twin)", "vllm_bf16_vec": "vLLM BF16 vec (BF16 twin)"}
 
 

@@ -13,7 +13,7 @@ Two implementations (both touch only the routed experts and group tokens by expe
     products against the activations split into BF16 planes that sum to them exactly (one plane for BF16
     inputs); each scale tile's partial sum is multiplied by its float32 scale. The intermediate
     ``h = silu(gate) * up`` (float32) enters the down projection as two BF16 planes (2^-18 relative: the
-    exact path) or, for BF16 activations by default, as one: h rounded to nearest BF16, as vLLM's own BF16 MoE
+    exact path, the default) or, for BF16 activations with ``VLLM_MOE_W8_CPU_H=bf16``, as one: h rounded to nearest BF16, as vLLM's own BF16 MoE
     rounds its intermediate -- half the down projection's dot products (see :func:`h_precision`).
   - ``avx2``: FP8 byte -> float16 bits with one shift/and/add, float16 -> float32 with F16C, times the tile's
     scale -- the same float32 weight as ``fp8.dequantize`` -- and FMA; h stays float32.
@@ -22,7 +22,9 @@ Two implementations (both touch only the routed experts and group tokens by expe
   L1-resident panel that register tiles of (row, token) dot products reuse. ``torch.get_num_threads()`` threads:
   the caller and helpers that claim work items from atomic counters; the caller never waits for a helper to
   start (on a busy machine an OpenMP region's barriers wait for every thread to be scheduled). Codes must be finite in their format (repack and
-  the checkpoint validation guarantee it).
+  the checkpoint validation guarantee it). The first call that reads an expert tensor backs its memory with 2 MiB
+  pages (:mod:`vllm_moe_w8.op.hugepages`, ``VLLM_MOE_W8_CPU_HUGEPAGES``): decode streams the codes (``w8_4k`` in
+  ``benchmarks/bench_moe_op.py``: what 4 KiB pages cost).
 * ``torch`` (the portable fallback): dequantises each routed expert once per call and uses torch
   matmuls (exact, float32 h). Used where no native variant fits the CPU, the build fails, or the shapes are
   not covered.
@@ -45,6 +47,7 @@ import os
 import torch
 
 from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.op import hugepages
 
 logger = logging.getLogger("vllm.vllm_moe_w8.op.cpu")
 
@@ -278,6 +281,10 @@ def fused_moe_native(x, topk_weights, topk_ids, w13, w13_scales, w2, w2_scales, 
     ids = topk_ids.contiguous()
     wts = topk_weights.float().contiguous()
     w13c, w2c = w13.contiguous(), w2.contiguous()
+    for codes in (w13c, w2c):  # resident codes in 2 MiB pages, once per tensor (op/hugepages.py)
+        got = hugepages.ensure(codes)
+        _log_once("hugepages:" + got.split(" ")[0], "neuron-w8 CPU MoE: expert codes in 2 MiB pages (%s=%s): %s "
+                  "(first such tensor, %s)", hugepages.ENV, hugepages.choice(), got, tuple(codes.shape))
     s13, s2 = w13_scales.float().contiguous(), w2_scales.float().contiguous()
     bad = ctypes.c_int64(0)
     rc = lib.moe_w8_forward(
