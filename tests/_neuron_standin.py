@@ -53,6 +53,15 @@ def glue_fixture(monkeypatch, install: bool = True):
         drop_standin()
 
 
+def compiled_glue_fixture(monkeypatch):
+    """:func:`glue_fixture` for tests that compile the stand-in's model: dynamo's caches reset before and after."""
+    torch._dynamo.reset()
+    try:
+        yield from glue_fixture(monkeypatch)
+    finally:
+        torch._dynamo.reset()
+
+
 def as_namespace(d):
     if isinstance(d, dict):
         return SimpleNamespace(**{k: as_namespace(v) for k, v in d.items()})

@@ -52,11 +52,7 @@ class Recorder:
 
 @pytest.fixture()
 def glue(monkeypatch):
-    torch._dynamo.reset()
-    try:
-        yield from st.glue_fixture(monkeypatch)
-    finally:
-        torch._dynamo.reset()
+    yield from st.compiled_glue_fixture(monkeypatch)
 
 
 def build(glue, family, path, ep, recorder, cpu_compile=False):

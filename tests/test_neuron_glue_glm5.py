@@ -57,11 +57,7 @@ def tensors(ckpt):
 
 @pytest.fixture()
 def glue(monkeypatch):
-    torch._dynamo.reset()
-    try:
-        yield from st.glue_fixture(monkeypatch)
-    finally:
-        torch._dynamo.reset()
+    yield from st.compiled_glue_fixture(monkeypatch)
 
 
 def relax_fork_pins(monkeypatch, world: int) -> None:
