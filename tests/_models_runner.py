@@ -17,8 +17,9 @@ vLLM's CPU kernel choices depend on the CPU (AMX hosts get other kernels), so ev
 (engine core in this process only): ``"attention_backends"`` (the attention backend classes
 ``CpuPlatform.get_attn_backend_cls`` returned), ``"attention_isas"`` (``cpu_attn._get_attn_isa``) and ``"moe_isas"``
 (the ``isa`` of every ``cpu_fused_moe`` call: vLLM's own unquantised MoE; empty under neuron-w8, whose op is its
-own). ``"moe_isa": "vec"`` pins vLLM's unquantised MoE to its portable ``"vec"`` kernel for that run (on AMX hosts
-vLLM would pick ``X86CPUUnquantizedExperts``, isa ``"amx"``; elsewhere it picks ``"vec"`` anyway): the
+own), and ``"routing"``: the expert ids each MoE layer chose for every prompt token in the first ``generate``
+call's prefill (vLLM's ``cpu_fused_moe`` and neuron-w8's ``op.cpu.fused_moe_cpu`` record them).
+``"moe_isa": "vec"`` pins vLLM's unquantised MoE to its portable ``"vec"`` kernel for that run (on AMX hosts vLLM would pick ``X86CPUUnquantizedExperts``, isa ``"amx"``; elsewhere it picks ``"vec"`` anyway): the
 architecture-specific experts classes report the device unsupported, so vLLM's own oracle selects
 ``CPUUnquantizedExperts``. Ask the backend you mean with ``"llm": {"attention_backend": "CPU_MLA"}``.
 """
@@ -61,6 +62,9 @@ def _prompt_logprobs(output) -> list[float]:
 
 
 _picked: dict[str, list] = {"attention_backends": [], "attention_isas": [], "moe_isas": []}
+# topk_ids of every routed-experts call in this process (vLLM's cpu_fused_moe and neuron-w8's op), for the routing
+# each run chose: the accuracy gate sets aside the positions where two runs routed differently (near-ties).
+_routing: list = []
 
 
 def _record_kernel_choices() -> None:
@@ -85,10 +89,28 @@ def _record_kernel_choices() -> None:
 
     def cpu_fused_moe(*a, **kw):
         _picked["moe_isas"].append(kw["isa"] if "isa" in kw else a[9])
+        _routing.append((kw["topk_ids"] if "topk_ids" in kw else a[7]).tolist())
         return fused_moe(*a, **kw)
 
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     cpu_attn._get_attn_isa, cpu_moe.cpu_fused_moe = get_attn_isa, cpu_fused_moe
+
+    from vllm_moe_w8.op import cpu as op_cpu
+
+    w8_op = op_cpu.fused_moe_cpu  # what the plugin's custom op calls on CPU (op/custom_op.py), every implementation
+
+    def fused_moe_cpu(*a, **kw):
+        _routing.append((kw["topk_ids"] if "topk_ids" in kw else a[2]).tolist())
+        return w8_op(*a, **kw)
+
+    op_cpu.fused_moe_cpu = fused_moe_cpu
+
+
+def _prefill_routing(prompt_lens: list[int]) -> list:
+    """The routing of the first ``generate`` call's prefill: the calls whose rows are all the prompts' tokens (one
+    batch, one call per MoE layer, in layer order); each a [tokens, k] list of expert ids."""
+    rows = sum(prompt_lens)
+    return [ids for ids in _routing if len(ids) == rows]
 
 
 def _pin_moe_isa(isa: str | None):
@@ -134,8 +156,11 @@ def run(args: dict, out_path: str) -> None:
             pinned = _pin_moe_isa(spec.get("moe_isa"))
             llm = LLM(model=spec["model"], **kwargs)
             params = SamplingParams(max_tokens=args.get("max_tokens", 4), temperature=0.0, prompt_logprobs=0, logprobs=0)
+            _routing.clear()
             outs = llm.generate(args["prompts"], params)
             entry["prompt_logprobs"] = [_prompt_logprobs(o) for o in outs]
+            entry["prompt_lens"] = [len(o.prompt_token_ids) for o in outs]
+            entry["routing"] = _prefill_routing(entry["prompt_lens"])
             entry["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
             entry["text"] = [o.outputs[0].text for o in outs]
             entry["finite"] = all(math.isfinite(v) for row in entry["prompt_logprobs"] for v in row)

@@ -60,6 +60,15 @@ LOGPROB_ATOL_FP32 = 1e-4
 LOGPROB_ATOL_BF16 = 0.1
 # ... and its mean over all prompt tokens must be smaller still (no systematic bias).
 LOGPROB_MEAN_ATOL_BF16 = 0.025
+# The max gate applies to the positions where both runs' MoE layers chose the same experts. Where a router's k-th
+# and (k+1)-th experts are within a bf16 step of the hidden state (a near-tie), the two runs' bf16 roundings may pick
+# differently, and that position's logprob moves by up to 0.5 whichever run is right (benchmarks/bench_routing_flips:
+# over the gate's prompts and 12 random sets, 14 of ~1,095 positions of the exact-h default routed differently from
+# the twin in the last layer, max 0.50 there, 0.036 everywhere else; 3 of the 13 sets would fail a plain max gate).
+# Which prompts hold a near-tie depends on the CPU's kernels, so a plain max gate would pass or fail by the host. The
+# positions set aside are bounded instead: at most this fraction of a case's positions may route differently (a real
+# fault that moves routing moves many positions), and the mean gate still counts every position.
+ROUTING_FLIP_MAX_FRACTION = 0.1
 
 PROMPTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -123,18 +132,43 @@ def _entry(results, name):
     return entry
 
 
+def routed_alike(quant: dict, twin: dict) -> list[bool]:
+    """Per predicted prompt token (the order of ``prompt_logprobs``, flattened): whether every MoE layer chose the
+    same set of experts in both runs at the position that predicts it."""
+    lens = twin["prompt_lens"]
+    assert quant["prompt_lens"] == lens
+    layers_q, layers_t = quant["routing"], twin["routing"]
+    assert layers_q and len(layers_q) == len(layers_t), ("prefill routing not recorded alike", len(layers_q), len(layers_t))
+    alike, start = [], 0
+    for n in lens:
+        for pos in range(start, start + n - 1):  # the logprob of token j + 1 is predicted at position j
+            alike.append(all(set(lq[pos]) == set(lt[pos]) for lq, lt in zip(layers_q, layers_t)))
+        start += n
+    return alike
+
+
 def logprob_gate(case: str, quant: dict, twin: dict) -> None:
     """The accuracy gate: teacher-forced prompt logprobs of a neuron-w8 run vs the dequantised twin's."""
     assert quant["finite"] and twin["finite"]
     diffs = [abs(a - b) for qa, ta in zip(quant["prompt_logprobs"], twin["prompt_logprobs"]) for a, b in zip(qa, ta)]
     assert len(diffs) == sum(len(t) for t in twin["prompt_logprobs"]) > 30
     worst, mean = max(diffs), sum(diffs) / len(diffs)
-    print(f"{case}: max |dlogprob| {worst:.3g}, mean {mean:.3g}")
     if CASES[case][3] == "float32":
+        print(f"{case}: max |dlogprob| {worst:.3g}, mean {mean:.3g}")
         assert worst <= LOGPROB_ATOL_FP32, f"{case}: max |dlogprob| {worst:.3g} > {LOGPROB_ATOL_FP32} (mean {mean:.3g})"
-    else:
-        assert worst <= LOGPROB_ATOL_BF16, f"{case}: max |dlogprob| {worst:.3g} > {LOGPROB_ATOL_BF16} (mean {mean:.3g})"
-        assert mean <= LOGPROB_MEAN_ATOL_BF16, f"{case}: mean |dlogprob| {mean:.3g} > {LOGPROB_MEAN_ATOL_BF16}"
+        return
+    alike = routed_alike(quant, twin)
+    assert len(alike) == len(diffs)
+    flips = alike.count(False)
+    worst_alike = max(d for d, a in zip(diffs, alike) if a)
+    print(f"{case}: max |dlogprob| {worst_alike:.3g} where routed alike ({worst:.3g} over all), mean {mean:.3g}; "
+          f"{flips} of {len(diffs)} positions routed differently")
+    assert flips <= ROUTING_FLIP_MAX_FRACTION * len(diffs), (
+        f"{case}: {flips} of {len(diffs)} positions routed differently from the twin (> {ROUTING_FLIP_MAX_FRACTION:.0%}); "
+        f"max |dlogprob| {worst:.3g}")
+    assert worst_alike <= LOGPROB_ATOL_BF16, (
+        f"{case}: max |dlogprob| {worst_alike:.3g} > {LOGPROB_ATOL_BF16} where both runs routed alike (mean {mean:.3g})")
+    assert mean <= LOGPROB_MEAN_ATOL_BF16, f"{case}: mean |dlogprob| {mean:.3g} > {LOGPROB_MEAN_ATOL_BF16}"
 
 
 def test_prompt_logprobs_match_dequantised_twin(case):
