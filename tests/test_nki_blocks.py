@@ -157,3 +157,58 @@ def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers):
     moved = 6 * 128 * QWEN["H"] * 2 + 600 * QWEN["H"] * 4
     assert 2 * codes + moved <= st.hbm_read_bytes <= 2 * codes + moved + 64 * 1024  # not 6 x codes
     assert st.hbm_write_bytes == (300 + 600) * QWEN["H"] * 4  # zero fill of the 300 tokens, then the 600 routed rows
+
+
+def _fp8_matmuls(st):
+    """The weight-matmul work of one program: K x N moving elements summed over the matmuls with FP8 codes moving
+    (the scale broadcasts and transposes excluded). A share of I makes as many gate/up matmuls, each half as wide."""
+    return sum(k * n * count for (k, _m, n, _st, mv), count in st.matmuls.items() if "float8" in mv)
+
+
+@interpreter_only
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+def test_lnc2_selective_decode_splits_a_lone_experts_intermediate(qwen_layers, mode):
+    """T=1 routed to one local expert at LNC=2 (I = 512: 256 intermediate rows a program, host_routed.split_inter):
+    each program makes half the LNC=1 launch's weight-matmul work and reads half the expert's codes (plus the scale rows,
+    the token and the metadata), and the two partial sums add up to the LNC=1 result within the gate's bound (both
+    pass the reference gate)."""
+    from vllm_moe_w8.kernels import host_routed
+
+    w13, s13, w2, s2, block = qwen_layers[mode]
+    kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+    assert host_routed.split_inter(1, host.bucket_for(1), 2, QWEN["I"]) and not host_routed.split_inter(1, 16, 1, 512)
+    x = torch.randn(1, QWEN["H"], generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    ids, tw = torch.tensor([[2, -1, -1, -1]]), torch.tensor([[0.75, 0.0, 0.0, 0.0]])
+    one, two = [], []
+    out1 = launch.simulate_routed(x, tw, ids, kw, lnc=1, stats=one)
+    out2 = launch.simulate_routed(x, tw, ids, kw, lnc=2, stats=two)
+    (st1,), (p0, p1) = one[0], two[0]
+    assert _fp8_matmuls(st1) > 0 and _fp8_matmuls(p0) == _fp8_matmuls(p1) == _fp8_matmuls(st1) // 2
+    codes = kw.w13[0].numel() + kw.w2[0].numel()
+    scales = 4 * (kw.w13_scales[0].numel() + kw.w2_scales[0].numel())
+    per_block = 16 * QWEN["H"] * 2 + QWEN["H"] * 4 + 16 * 8 + 8  # gathered rows, the output row's RMW, metadata
+    assert codes <= st1.hbm_read_bytes
+    for st in (p0, p1):
+        assert codes // 2 <= st.hbm_read_bytes <= codes // 2 + scales + per_block + 64
+        assert st.dynamic_iterations == 1  # every program walks the one used block
+    bound = kc.error_bound(x, tw, ids, w13, s13, w2, s2, block)
+    ref = kc.reference_moe(x, tw, ids, w13, s13, w2, s2, *block, "e4m3")
+    assert kc.within_bound(out1, ref, bound)[0] and kc.within_bound(out2, ref, bound)[0]
+    assert kc.within_bound(out2, out1, bound)[0]
+
+
+def _same_half(pid, share):
+    return 0  # the fault: every program computes the first share of I
+
+
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+def test_the_gate_refuses_both_programs_computing_the_same_half(qwen_layers, mode, monkeypatch):
+    """Fault twin of the intermediate split: both programs on I rows [0, I/2) (the second half never computed, the
+    first counted twice) must fail the gate the split passes."""
+    from vllm_moe_w8.kernels import moe_w8_blocks
+
+    ok, ratio, _ = gate(qwen_layers[mode], 1, top_k=4, lnc=2, seed=12)
+    assert ok, f"err/bound {ratio:.3f}"
+    monkeypatch.setattr(moe_w8_blocks, "inter_start", _same_half)
+    ok, ratio, _ = gate(qwen_layers[mode], 1, top_k=4, lnc=2, seed=12)
+    assert not ok and ratio > 1
