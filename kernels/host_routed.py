@@ -12,11 +12,12 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
   model's); pow2 also ``vector_blocks`` (int, the engine schedule ``kernels/schedule.py`` read from the Neuron
   calibration file at load, the dense kernel's); ``split_inter`` (int 0/1, :func:`split_inter`: a function of the
   bucket T, B, LNC and I only). The kernel function (pow2 / output-block) follows ``kw.mode``.
-* ``split_inter = 1`` (selective decode at LNC > 1 when I / LNC is a multiple of 128): program p computes every
+* ``split_inter = 1`` (selective decode at LNC > 1 when I / LNC is a multiple of 512: GLM-5.3-Flash TP=32 and
+  GLM-5 at I = 2048, not I = 512 - :func:`split_inter`; the kernel accepts any multiple of 128): program p computes every
   used block over its own I / LNC intermediate rows (gate and up rows [p I/n, (p+1) I/n), the down projection over
   them; each program loads the expert's whole scale rows, a few KiB) and writes that partial [T, H] into its slab;
   ``block_range`` gives every program all used blocks. Otherwise (LNC 1, block prefill, or I / LNC not a multiple
-  of 128: the static fallback) the programs split the blocks.
+  of 512: the static fallback) the programs split the blocks.
 * sizes: ``B`` = :func:`block_rows` (T), ``N`` = ``routing.capacity_blocks(T, k, E, B)``: functions of the bucket
   (T, top_k, E), never of the routing values. One compile per (mode, T bucket).
 * result ``[lnc, T, H] f32`` -> ``routing.combine(result, T)`` = the routed sum [T, H].
@@ -39,7 +40,7 @@ import torch
 
 from . import host, routing
 from .moe_w8 import POW2_SCHEDULE
-from .moe_w8_blocks import moe_w8_blocks_output_block, moe_w8_blocks_pow2
+from .moe_w8_blocks import SLAB, moe_w8_blocks_output_block, moe_w8_blocks_pow2
 
 P = 128
 # bench_nki_routed_decode.json: selective_cheaper_up_to_by_scenario (tests/test_nki_routing.py checks they agree)
@@ -62,11 +63,19 @@ def block_rows(tokens: int) -> int:
     return host.bucket_for(tokens) if tokens <= SELECTIVE_MAX_TOKENS else P
 
 
-def split_inter(tokens: int, block: int, programs: int, inter: int) -> bool:
-    """Whether a launch splits each block's intermediate across the programs instead of splitting the blocks:
-    selective decode (T <= ``SELECTIVE_MAX_TOKENS`` and T <= B) at more than one program, with I / programs a
-    multiple of the 128-row scale tile (else the block split: a static rule of the bucket, never of the routing)."""
+def can_split_inter(tokens: int, block: int, programs: int, inter: int) -> bool:
+    """Whether the block kernel can split each block's intermediate across the programs: selective decode
+    (T <= ``SELECTIVE_MAX_TOKENS`` and T <= B) at more than one program, I / programs a multiple of the 128-row
+    scale tile."""
     return programs > 1 and tokens <= min(SELECTIVE_MAX_TOKENS, block) and inter % (programs * P) == 0
+
+
+def split_inter(tokens: int, block: int, programs: int, inter: int) -> bool:
+    """Whether a launch splits the intermediate instead of the blocks (a static rule of the bucket, LNC and I, never
+    of the routing): when it can and each program's share is whole 512-column slabs, so its gate and up matmuls
+    stay as wide as unsplit (a 256-row share makes as many matmuls, half as wide: the cost model prices GLM-5.3-Flash
+    at I = 512 slower at T = 8-32 split - results/glm_kernels.json). Else the programs split the blocks."""
+    return can_split_inter(tokens, block, programs, inter) and inter % (programs * SLAB) == 0
 
 
 def block_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights,
@@ -100,7 +109,7 @@ def check_block_args(tensors: tuple, consts: dict, mode: str, programs: int, tok
     want = {"hidden": (tokens + b, hidden.shape[1]), "token_position_to_id": (routing.capacity_blocks(tokens, top_k, e, b), b),
             "position_weight": (n, b), "block_to_expert": (n, 1), "block_new_expert": (n, 1), "block_range": (programs, 2)}
     inter = w13.shape[3] // 2
-    if consts.get("split_inter", 0) and not split_inter(tokens, b, programs, inter):
+    if consts.get("split_inter", 0) and not can_split_inter(tokens, b, programs, inter):
         raise ValueError(f"moe_w8 block kernel: split_inter=1 needs selective decode (T={tokens} <= min(B={b}, "
                          f"{SELECTIVE_MAX_TOKENS})) at LNC > 1 (got {programs}) and I={inter} a multiple of "
                          f"{programs} x 128; pass host_routed.split_inter(T, B, LNC, I)")

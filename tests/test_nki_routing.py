@@ -87,9 +87,10 @@ def test_the_schedule_runs_on_the_routing_device_without_reading_values():
     assert all(t.device.type == "meta" for t in s.tensors())
 
 
-@pytest.mark.parametrize("tokens,inter", [(1, 128), (16, 128), (384, 128), (1, 256), (16, 256)])
+@pytest.mark.parametrize("tokens,inter", [(1, 128), (16, 128), (384, 128), (1, 256), (1, 1024), (16, 1024)])
 def test_one_specialisation_per_bucket_over_many_routings(tokens, inter):
-    """I = 256 at LNC 2: selective decode splits the intermediate (split_inter=1), still one compile per bucket."""
+    """I = 1024 at LNC 2: selective decode splits the intermediate (split_inter=1: 512 rows a program), still one
+    compile per bucket; I = 256 (128-row shares) keeps the block split (host_routed.split_inter's static rule)."""
     ckpt = kernel_check.checkpoint_experts(4, 256, inter, seed=0)
     w13, s13, w2, s2, block = kernel_check.repacked(ckpt, "pow2")
     kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
@@ -103,7 +104,7 @@ def test_one_specialisation_per_bucket_over_many_routings(tokens, inter):
         kernel, tensors, consts = host_routed.block_call(x, tw, ti, kw, programs=2)
         host_routed.check_block_args(tensors, consts, kw.mode, 2, bucket, 2)
         keys.add(host_routed.specialisation(kernel, tensors, consts))
-        split = tokens <= host_routed.SELECTIVE_MAX_TOKENS and inter == 256
+        split = tokens <= host_routed.SELECTIVE_MAX_TOKENS and inter == 1024
         assert consts["split_inter"] == int(split)
         first, count = tensors[-1][:, 0].tolist(), tensors[-1][:, 1].tolist()
         if split:  # every program walks every used block
