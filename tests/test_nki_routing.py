@@ -137,13 +137,16 @@ def test_the_block_launch_contract_is_checked_on_the_host():
         routing.check_routing(ti + 4, 4)
 
 
-def test_the_launch_arguments_trace_whole_under_torch_compile():
-    """host_routed.block_call (padding, schedule, argument tuple) inside a fullgraph-compiled forward."""
+@pytest.mark.parametrize("inter", [128, 1024])
+def test_the_launch_arguments_trace_whole_under_torch_compile(inter):
+    """host_routed.block_call (padding, schedule, argument tuple) inside a fullgraph-compiled forward, with the
+    block split (I = 128) and the intermediate split (I = 1024: split_inter=1)."""
     torch._dynamo.reset()
-    ckpt = kernel_check.checkpoint_experts(4, 256, 128, seed=0)
+    ckpt = kernel_check.checkpoint_experts(4, 256, inter, seed=0)
     kw = host.to_kernel_layout(*kernel_check.repacked(ckpt, "pow2")[:4], 128, 128, "e4m3")
     tw, ti = kernel_check.routing(16, 4, 2, seed=5)
     x = torch.randn(16, 256)
+    assert host_routed.block_call(x, tw, ti, kw, programs=2)[2]["split_inter"] == int(inter == 1024)
 
     def args(x, w, i):
         return host_routed.block_call(x, w, i, kw, programs=2)[1]
