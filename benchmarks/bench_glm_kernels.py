@@ -7,7 +7,8 @@ Both sides are priced by the same calibrated cost model (``kernels/nki_cpu/cost.
   interpreter - ``host_routed.schedule_for`` T: selective decode (the block kernel, one block per routed local
   expert, T padded to its decode bucket) up to the scenario's ``SELECTIVE_MAX_TOKENS``, the dense all-expert kernel
   up to 128 tokens, block prefill beyond - with grid [LNC] and each scenario's pow2 engine schedule
-  (``kernels/schedule.py``). pow2 storage (the default), the model's ``swiglu_limit``.
+  (``kernels/schedule.py``); selective at LNC 2 splits each block's I across the programs where
+  ``host_routed.split_inter`` says (``ours_split_inter``). pow2 storage (the default), the model's ``swiglu_limit``.
 * **the fork**: its kernels restated as counters (``kernels/nki_cpu/glm_dataflows.py``, which pins the files read
   and says what is assumed): GLM-5.3-Flash's ``moe_fused_fp8_kernel`` (one block per routed local expert, both
   layouts), GLM-5's selective block-FP8 kernel (its E=256/top-8/EP64/4-local contract).
@@ -143,6 +144,8 @@ def case(label: str, shape: dict, tokens: int, kw: host.KernelWeights) -> dict:
         row[f"ours_{name}_read_MB"] = sum(s.hbm_read_bytes for s in programs) / 1e6
         row[f"ours_{name}_dmas"] = max(s.dma_count for s in programs)
         row[f"ours_{name}_matmuls"] = max(s.matmul_count for s in programs)
+    bucket = host.bucket_for(tokens) if row["ours_fitted_kernel"] == "selective" else 0
+    row["ours_split_inter"] = bool(bucket) and host_routed.split_inter(bucket, bucket, shape["lnc"], shape["I"])
     dataflow, programs, weights = fork(shape, tokens, topk_ids)
     row["fork_dataflow"] = dataflow
     row["fork_read_MB"] = sum(s.hbm_read_bytes for s in programs) / 1e6

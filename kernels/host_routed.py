@@ -10,7 +10,14 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
   ``block_new_expert [N, 1] int32``, ``block_range [lnc, 2] int32`` (kernels/routing.py documents each).
 * **constants** (keyword, hashed into the compiled kernel; data-independent): ``swiglu_limit`` (float, the
   model's); pow2 also ``vector_blocks`` (int, the engine schedule ``kernels/schedule.py`` read from the Neuron
-  calibration file at load, the dense kernel's). The kernel function (pow2 / output-block) follows ``kw.mode``.
+  calibration file at load, the dense kernel's); ``split_inter`` (int 0/1, :func:`split_inter`: a function of the
+  bucket T, B, LNC and I only). The kernel function (pow2 / output-block) follows ``kw.mode``.
+* ``split_inter = 1`` (selective decode at LNC > 1 when I / LNC is a multiple of 512: GLM-5.3-Flash TP=32 and
+  GLM-5 at I = 2048, not I = 512 - :func:`split_inter`; the kernel accepts any multiple of 128): program p computes every
+  used block over its own I / LNC intermediate rows (gate and up rows [p I/n, (p+1) I/n), the down projection over
+  them; each program loads the expert's whole scale rows, a few KiB) and writes that partial [T, H] into its slab;
+  ``block_range`` gives every program all used blocks. Otherwise (LNC 1, block prefill, or I / LNC not a multiple
+  of 512: the static fallback) the programs split the blocks.
 * sizes: ``B`` = :func:`block_rows` (T), ``N`` = ``routing.capacity_blocks(T, k, E, B)``: functions of the bucket
   (T, top_k, E), never of the routing values. One compile per (mode, T bucket).
 * result ``[lnc, T, H] f32`` -> ``routing.combine(result, T)`` = the routed sum [T, H].
@@ -33,7 +40,7 @@ import torch
 
 from . import host, routing
 from .moe_w8 import POW2_SCHEDULE
-from .moe_w8_blocks import moe_w8_blocks_output_block, moe_w8_blocks_pow2
+from .moe_w8_blocks import SLAB, moe_w8_blocks_output_block, moe_w8_blocks_pow2
 
 P = 128
 # bench_nki_routed_decode.json: selective_cheaper_up_to_by_scenario (tests/test_nki_routing.py checks they agree)
@@ -56,6 +63,21 @@ def block_rows(tokens: int) -> int:
     return host.bucket_for(tokens) if tokens <= SELECTIVE_MAX_TOKENS else P
 
 
+def can_split_inter(tokens: int, block: int, programs: int, inter: int) -> bool:
+    """Whether the block kernel can split each block's intermediate across the programs: selective decode
+    (T <= ``SELECTIVE_MAX_TOKENS`` and T <= B) at more than one program, I / programs a multiple of the 128-row
+    scale tile."""
+    return programs > 1 and tokens <= min(SELECTIVE_MAX_TOKENS, block) and inter % (programs * P) == 0
+
+
+def split_inter(tokens: int, block: int, programs: int, inter: int) -> bool:
+    """Whether a launch splits the intermediate instead of the blocks (a static rule of the bucket, LNC and I, never
+    of the routing): when it can and each program's share is whole 512-column slabs, so its gate and up matmuls
+    stay as wide as unsplit (a 256-row share makes as many matmuls, half as wide: the cost model prices GLM-5.3-Flash
+    at I = 512 slower at T = 8-32 split - results/glm_kernels.json). Else the programs split the blocks."""
+    return can_split_inter(tokens, block, programs, inter) and inter % (programs * SLAB) == 0
+
+
 def block_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights,
                programs: int, swiglu_limit: float = 0.0, block: int | None = None):
     """(kernel, device tensors, constants) of one block-scheduled launch; traceable (no value read on the host).
@@ -63,11 +85,13 @@ def block_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
     ``x`` [T, H] is the call's (bucket-padded) tokens; padded tokens carry no route (ids -1)."""
     tokens = x.shape[0]
     b = block or block_rows(tokens)
-    sched = routing.block_schedule(topk_weights, topk_ids, kw.num_experts, b, programs)
+    split = split_inter(tokens, b, programs, kw.w13.shape[3] // 2)
+    sched = routing.block_schedule(topk_weights, topk_ids, kw.num_experts, b, programs, split)
     tensors = (routing.padded_hidden(x, b), kw.w13, kw.w13_scales, kw.w2, kw.w2_scales) + sched.tensors()
     consts = {"swiglu_limit": float(swiglu_limit)}
     if kw.mode == "pow2":
         consts["vector_blocks"] = POW2_SCHEDULE.vector_blocks
+    consts["split_inter"] = int(split)
     return BLOCKS[kw.mode], tensors, consts
 
 
@@ -84,6 +108,11 @@ def check_block_args(tensors: tuple, consts: dict, mode: str, programs: int, tok
         raise ValueError(f"moe_w8 block kernel: token_position_to_id {tuple(t2i.shape)} must be [N, B] with B <= 128")
     want = {"hidden": (tokens + b, hidden.shape[1]), "token_position_to_id": (routing.capacity_blocks(tokens, top_k, e, b), b),
             "position_weight": (n, b), "block_to_expert": (n, 1), "block_new_expert": (n, 1), "block_range": (programs, 2)}
+    inter = w13.shape[3] // 2
+    if consts.get("split_inter", 0) and not can_split_inter(tokens, b, programs, inter):
+        raise ValueError(f"moe_w8 block kernel: split_inter=1 needs selective decode (T={tokens} <= min(B={b}, "
+                         f"{SELECTIVE_MAX_TOKENS})) at LNC > 1 (got {programs}) and I={inter} a multiple of "
+                         f"{programs} x 128; pass host_routed.split_inter(T, B, LNC, I)")
     for name, t in zip(_DTYPES, (hidden, t2i, pw, b2e, new, br)):
         if tuple(t.shape) != want[name]:
             raise ValueError(f"moe_w8 block kernel: {name} has shape {tuple(t.shape)}; expected {want[name]} "

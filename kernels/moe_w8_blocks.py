@@ -28,10 +28,15 @@ Arguments (checked on the host before every launch by ``host_routed.check_block_
     block_new_expert      [N, 1]            int32    1 where the block's expert is not the previous block's
     block_range           [n, 2]            int32    (first block, block count) of program p
     swiglu_limit          float (trace-time constant): > 0 clamps gate <= limit and |up| <= limit
+    split_inter           int (trace-time constant, ``host_routed.split_inter``): 1 splits I across the programs
     returns               [n, T, H]         float32  program p's partial sums (host: routing.combine)
 
 Launched as ``kernel[n]`` (n = LNC): program p = ``nl.program_id(0)`` computes blocks
-[first_p, first_p + count_p) and writes only its own output slab (no cross-core read-modify-write).
+[first_p, first_p + count_p) and writes only its own output slab (no cross-core read-modify-write). With
+``split_inter`` (selective decode at LNC 2: a lone routed expert would otherwise leave a core idle) every program
+walks all the used blocks (``block_range`` rows (0, used)) over its own I / n intermediate rows - gate and up rows
+[p I/n, (p+1) I/n), the down projection over those rows - so each program reads half of every routed expert's
+codes (their scale rows whole) and its slab holds a partial sum over its share of I.
 """
 
 from __future__ import annotations
@@ -48,24 +53,30 @@ RESIDENT_BYTES = 64 * 1024  # SBUF per partition an expert's codes may keep acro
 
 @nki.jit
 def moe_w8_blocks_pow2(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-                       block_new_expert, block_range, swiglu_limit=0.0, vector_blocks=POW2_SCHEDULE.vector_blocks):
+                       block_new_expert, block_range, swiglu_limit=0.0, vector_blocks=POW2_SCHEDULE.vector_blocks,
+                       split_inter=0):
     """Block-scheduled routed MoE with exact 128x128 block scales (pow2 repack). ``vector_blocks`` (trace-time
     constant, the dense kernel's): of every ``schedule.BLOCK_PERIOD`` block scale-adds, how many run on VectorE."""
     return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-                   block_new_expert, block_range, POW2, float(swiglu_limit), int(vector_blocks))
+                   block_new_expert, block_range, POW2, float(swiglu_limit), int(vector_blocks), int(split_inter))
 
 
 @nki.jit
 def moe_w8_blocks_output_block(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight,
-                               block_to_expert, block_new_expert, block_range, swiglu_limit=0.0):
+                               block_to_expert, block_new_expert, block_range, swiglu_limit=0.0, split_inter=0):
     """Block-scheduled routed MoE with one scale per 128 output rows (output-block repack)."""
     return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-                   block_new_expert, block_range, OUTPUT_BLOCK, float(swiglu_limit), 0)
+                   block_new_expert, block_range, OUTPUT_BLOCK, float(swiglu_limit), 0, int(split_inter))
 
 
 def resident_weights(hidden: int, inter: int) -> bool:
     """Whether one expert's codes stay in SBUF across its blocks (a shape rule: (3 H I / 128) B per partition)."""
     return 3 * hidden * inter // P <= RESIDENT_BYTES
+
+
+def inter_start(pid, share):
+    """First intermediate row of program ``pid``'s share of I when the intermediate is split (``share`` rows each)."""
+    return pid * share
 
 
 def _zero_output(out, pid, rows_total, hidden):
@@ -78,15 +89,21 @@ def _zero_output(out, pid, rows_total, hidden):
 
 
 def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-            block_new_expert, block_range, mode, limit, vector_blocks):
+            block_new_expert, block_range, mode, limit, vector_blocks, split_inter):
     rows_total, h = hidden.shape
     _n_blocks, b = token_position_to_id.shape
     tokens = rows_total - b  # the output holds the tokens only: padding rows (T + position) fall past it
     _e, _p, g_h, two_i = w13.shape
     inter = two_i // 2
-    dims = (b, g_h, inter, inter // P, w13_scales.shape[2], w2_scales.shape[2], limit, vector_blocks)
     programs = nl.num_programs(axes=0)
     pid = nl.program_id(axis=0)
+    share = inter
+    i0 = 0
+    if split_inter:  # every program walks every block, over its own I / n rows (host_routed.split_inter decides)
+        share = inter // programs
+        assert tokens <= b and share * programs == inter and share % P == 0, "split_inter: selective decode, I / n % 128 == 0"
+        i0 = inter_start(pid, share)
+    dims = (b, g_h, share, share // P, w13_scales.shape[2], w2_scales.shape[2], limit, vector_blocks)
     out = nl.ndarray((programs, tokens, h), dtype=nl.float32, buffer=nl.shared_hbm)
     _zero_output(out, pid, tokens, h)
     ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
@@ -96,7 +113,7 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
     sc2 = nl.ndarray((b, w2_scales.shape[1] * w2_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
     res13 = None
     res2 = None
-    if resident_weights(h, inter):
+    if resident_weights(h, inter) and not split_inter:  # a share streams only its own rows
         res13 = nl.ndarray((P, g_h, two_i), dtype=nl.uint8, buffer=nl.sbuf)
         res2 = nl.ndarray((P, inter // P, h), dtype=nl.uint8, buffer=nl.sbuf)
     share = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)  # (first block, block count): one DMA
@@ -119,7 +136,7 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
             for _ in nl.dynamic_range(new_reg):  # 0 or 1 trip: a new expert's scales (and resident codes)
                 _load_expert_state(expert, w13, w13_scales, w2, w2_scales, b, ones, sc13, sc2, res13, res2)
         _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight, out,
-                   pid, dims, mode)
+                   pid, dims, mode, i0)
         nisa.tensor_scalar(dst=block, data=block, op0=nl.add, operand0=1)
     return out
 
@@ -134,7 +151,7 @@ def _load_expert_state(expert, w13, w13_scales, w2, w2_scales, b, ones, sc13, sc
 
 
 def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight, out, pid,
-               dims, mode):
+               dims, mode, i0):
     b, g_h, _inter, g_i, _g13, _g2, _limit, _vector_blocks = dims
     rows_total, h = hidden.shape
     ids = nl.ndarray((b, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -144,12 +161,12 @@ def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_pos
     x = nl.ndarray((b, h), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.dma_copy(dst=x, src=hidden.ap(pattern=[[h, b], [1, h]], offset=0, vector_offset=ids, indirect_dim=0))
     h_t = transpose_rows(x, b, g_h, nl.bfloat16)
-    act, counter = gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, res13)
+    act, counter = gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, res13, i0)
     act_t = transpose_rows(act, b, g_i, nl.bfloat16)
     y = nl.ndarray((b, h), dtype=nl.float32, buffer=nl.sbuf)  # the block's rows, added to their tokens in one DMA
     for h0 in range(0, h, SLAB):
         w = min(SLAB, h - h0)
-        _y, counter = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2, counter)
+        _y, counter = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2, counter, i0)
     tokens = rows_total - b
     dst = out.ap(pattern=[[h, b], [1, h]], offset=pid * tokens * h, vector_offset=ids, indirect_dim=1)
     nisa.dma_compute(dst=dst, srcs=[dst, y], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)  # padding: T + row

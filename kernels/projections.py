@@ -49,15 +49,18 @@ def load_expert(weights, expert, out):
                                           indirect_dim=0))
 
 
-def weight_slab(weights, expert, col0, width, resident=None):
-    """[P, G, width] uint8 in SBUF: columns [col0, col0 + width) of expert ``expert`` of an [E, P, G, C] HBM tensor
-    (a slice of ``resident``, the expert already in SBUF, when given)."""
-    if resident is not None:
-        return resident[:, :, col0:col0 + width]
+def weight_slab(weights, expert, col0, width, resident=None, group0=0, groups=None):
+    """[P, groups, width] uint8 in SBUF: columns [col0, col0 + width) of groups [group0, group0 + groups) (default:
+    all G) of expert ``expert`` of an [E, P, G, C] HBM tensor (a slice of ``resident``, the expert already in SBUF,
+    when given)."""
     _e, p, g, cols = weights.shape
-    slab = nl.ndarray((p, g, width), dtype=nl.uint8, buffer=nl.sbuf)
-    pattern = [[g * cols, p], [cols, g], [1, width]]
-    nisa.dma_copy(dst=slab, src=weights.ap(pattern=pattern, offset=col0, scalar_offset=expert, indirect_dim=0))
+    n_g = g - group0 if groups is None else groups
+    if resident is not None:
+        return resident[:, group0:group0 + n_g, col0:col0 + width]
+    slab = nl.ndarray((p, n_g, width), dtype=nl.uint8, buffer=nl.sbuf)
+    pattern = [[g * cols, p], [cols, n_g], [1, width]]
+    nisa.dma_copy(dst=slab, src=weights.ap(pattern=pattern, offset=group0 * cols + col0, scalar_offset=expert,
+                                           indirect_dim=0))
     return slab
 
 
@@ -95,18 +98,22 @@ def transpose_rows(x, rows, blocks, dtype):
     return out
 
 
-def gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, resident=None):
-    """(act [rows, I] bf16 = SiLU(gate) * weight * up for one block (gate/up scaled; GLM clamp when limit > 0),
-    the block's pow2 block count so far)."""
-    rows, g_h, inter, g_i, g13, _g2, limit, vector_blocks = dims
+def gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, resident=None, i0=0):
+    """(act [rows, I'] bf16 = SiLU(gate) * weight * up for one block (gate/up scaled; GLM clamp when limit > 0),
+    the block's pow2 block count so far). ``dims``' I' (<= the expert's I) intermediate rows from ``i0`` (a multiple
+    of 128): the whole expert by default, one program's share when the intermediate is split across the programs;
+    ``sc13`` holds the expert's whole scale row."""
+    rows, g_h, inter, _g_i, g13, _g2, limit, vector_blocks = dims
+    full = w13.shape[3] // 2  # the expert's I: up's rows follow gate's
     act = nl.ndarray((rows, inter), dtype=nl.bfloat16, buffer=nl.sbuf)
     counter = 0
     for c0 in range(0, inter, SLAB):
         w = min(SLAB, inter - c0)
-        w_gate = weight_slab(w13, expert, c0, w, resident)
-        w_up = weight_slab(w13, expert, inter + c0, w, resident)
-        gate, counter = scaled_contract(h_t, w_gate, g_h, sc13, c0 // P, g13, mode, rows, w, None, counter, vector_blocks)
-        up, counter = scaled_contract(h_t, w_up, g_h, sc13, g_i + c0 // P, g13, mode, rows, w, None, counter,
+        w_gate = weight_slab(w13, expert, i0 + c0, w, resident)
+        w_up = weight_slab(w13, expert, full + i0 + c0, w, resident)
+        gate, counter = scaled_contract(h_t, w_gate, g_h, sc13, (i0 + c0) // P, g13, mode, rows, w, None, counter,
+                                        vector_blocks)
+        up, counter = scaled_contract(h_t, w_up, g_h, sc13, (full + i0 + c0) // P, g13, mode, rows, w, None, counter,
                                       vector_blocks)
         if limit > 0:
             nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
@@ -120,9 +127,12 @@ def gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, resident=None):
     return act, counter
 
 
-def down_slab(act_t, w2, sc2, expert, h0, width, dims, mode, total=None, resident=None, counter=0):
+def down_slab(act_t, w2, sc2, expert, h0, width, dims, mode, total=None, resident=None, counter=0, i0=0):
     """([rows, width] fp32 SBUF (``total`` when given): hidden columns [h0, h0 + width) of the block's down
-    projection, scaled; the pow2 block count advanced)."""
+    projection over ``dims``' I' intermediate rows from ``i0`` (as :func:`gate_up_act`), scaled; the pow2 block
+    count advanced). A share of I is a partial sum: output-block's one scale per output block applies to each."""
     rows, _g_h, _inter, g_i, _g13, g2, _limit, vector_blocks = dims
-    w_down = weight_slab(w2, expert, h0, width, resident)
-    return scaled_contract(act_t, w_down, g_i, sc2, h0 // P, g2, mode, rows, width, total, counter, vector_blocks)
+    k0 = i0 // P
+    w_down = weight_slab(w2, expert, h0, width, resident, k0, g_i)
+    scales = sc2[:, k0:] if mode == POW2 else sc2  # pow2: scale (block, k) sits at block * G2 + k0 + k
+    return scaled_contract(act_t, w_down, g_i, scales, h0 // P, g2, mode, rows, width, total, counter, vector_blocks)

@@ -21,7 +21,9 @@ Layout (B rows per block; T tokens, E local experts, n programs):
 * ``block_new_expert [N, 1] int32``: 1 where a block's expert differs from the previous block's, or the block
   starts a program's share; the kernel reloads weights only there (a 0/1-trip dynamic loop).
 * ``block_range [n, 2] int32``: (first block, block count) of each program; programs take contiguous,
-  equal shares of the used blocks, so the work of a call is proportional to its routed rows.
+  equal shares of the used blocks, so the work of a call is proportional to its routed rows - or, with
+  ``split=True`` (the kernel splits each block's intermediate across the programs), every program walks all
+  the used blocks: (0, used) on every row.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ def check_routing(topk_ids: torch.Tensor, num_experts: int) -> None:
 
 
 def block_schedule(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, block_rows: int,
-                   programs: int = 1) -> BlockSchedule:
-    """The block metadata of one call (see the module docstring); device and traceable."""
+                   programs: int = 1, split: bool = False) -> BlockSchedule:
+    """The block metadata of one call (see the module docstring); device and traceable. ``split``: every program
+    takes every used block (the intermediate-split selective decode, ``host_routed.split_inter``)."""
     tokens, top_k = topk_ids.shape
     e, b = num_experts, block_rows
     n = capacity_blocks(tokens, top_k, e, b)
@@ -95,8 +98,8 @@ def block_schedule(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_exper
     block_ids = torch.arange(n, device=dev)
     b2e = torch.searchsorted(ends, block_ids, right=True).clamp(max=e - 1).to(torch.int32).reshape(n, 1)
     used = ends[-1]
-    share = (used + programs - 1) // programs
-    first = torch.minimum(torch.arange(programs, device=dev) * share, used)
+    share = used if split else (used + programs - 1) // programs
+    first = torch.minimum(torch.arange(programs, device=dev) * (0 if split else share), used)
     count = torch.minimum(used - first, share)
     block_range = torch.stack([first, count], dim=1).to(torch.int32)
     experts = b2e.reshape(-1)

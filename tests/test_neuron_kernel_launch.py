@@ -201,3 +201,22 @@ def test_stand_in_neuron_host_that_cannot_launch_is_an_error_not_a_fallback(fres
     _fake_host(monkeypatch, **probe)
     with pytest.raises(NeuronLaunchError, match=match):
         kernel_launch.backend()
+
+
+def test_served_selective_decode_with_the_intermediate_split():
+    """I = 1024 at LNC 2: selective decode splits each block's intermediate (host_routed.split_inter); the served path
+    passes the reference gate, and under torch.compile(fullgraph=True) it is one launch equal to the eager call."""
+    from vllm_moe_w8.kernels import host_routed
+
+    ckpt = kernel_check.checkpoint_experts(4, 256, 1024, seed=8)
+    layer = kernel_check.repacked(ckpt, "pow2")
+    kw = host.to_kernel_layout(*layer[:4], *layer[4], "e4m3")
+    assert host_routed.split_inter(16, 16, 2, 1024)
+    r = kernel_check.run_case("served", None, "pow2", 5, top_k=3, lnc=2, seed=5, layer=layer)
+    assert r.kernel == "selective" and r.passed, f"{r.kernel}: {r.err_over_bound:.3f} x bound"
+    where = kernel_launch.backend()
+    fn = torch.compile(lambda x, tw, ti: kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2, where=where),
+                       backend="eager", fullgraph=True, dynamic=False)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    tw, ti = kernel_check.routing(5, 4, 2, seed=5)
+    assert torch.equal(fn(x, tw, ti), kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2))

@@ -157,3 +157,82 @@ def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers):
     moved = 6 * 128 * QWEN["H"] * 2 + 600 * QWEN["H"] * 4
     assert 2 * codes + moved <= st.hbm_read_bytes <= 2 * codes + moved + 64 * 1024  # not 6 x codes
     assert st.hbm_write_bytes == (300 + 600) * QWEN["H"] * 4  # zero fill of the 300 tokens, then the 600 routed rows
+
+
+def _fp8_matmuls(st):
+    """The weight-matmul work of one program: K x N moving elements summed over the matmuls with FP8 codes moving
+    (the scale broadcasts and transposes excluded). A share of I makes as many gate/up matmuls, each half as wide."""
+    return sum(k * n * count for (k, _m, n, _st, mv), count in st.matmuls.items() if "float8" in mv)
+
+
+SPLIT = dict(H=2048, I=1024)  # I / 2 = 512: host_routed.split_inter splits the intermediate at LNC 2
+
+
+@pytest.fixture(scope="module")
+def split_layers():
+    ckpt = kc.checkpoint_experts(4, SPLIT["H"], SPLIT["I"], seed=5)
+    return {mode: kc.repacked(ckpt, mode) for mode in ("pow2", "output-block")}
+
+
+@interpreter_only
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+def test_lnc2_selective_decode_splits_a_lone_experts_intermediate(split_layers, mode):
+    """T=1 routed to one local expert at LNC=2 (I = 1024: 512 intermediate rows a program, host_routed.split_inter):
+    each program makes half the LNC=1 launch's weight-matmul work and reads half the expert's codes (plus the scale rows,
+    the token and the metadata), and the two partial sums add up to the LNC=1 result within the gate's bound (both
+    pass the reference gate)."""
+    from vllm_moe_w8.kernels import host_routed
+
+    w13, s13, w2, s2, block = split_layers[mode]
+    kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+    assert host_routed.split_inter(1, host.bucket_for(1), 2, SPLIT["I"])
+    assert not host_routed.split_inter(1, 16, 1, SPLIT["I"]) and not host_routed.split_inter(1, 16, 2, QWEN["I"])
+    x = torch.randn(1, SPLIT["H"], generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    ids, tw = torch.tensor([[2, -1, -1, -1]]), torch.tensor([[0.75, 0.0, 0.0, 0.0]])
+    one, two = [], []
+    out1 = launch.simulate_routed(x, tw, ids, kw, lnc=1, stats=one)
+    out2 = launch.simulate_routed(x, tw, ids, kw, lnc=2, stats=two)
+    (st1,), (p0, p1) = one[0], two[0]
+    assert _fp8_matmuls(st1) > 0 and _fp8_matmuls(p0) == _fp8_matmuls(p1) == _fp8_matmuls(st1) // 2
+    codes = kw.w13[0].numel() + kw.w2[0].numel()
+    scales = 4 * (kw.w13_scales[0].numel() + kw.w2_scales[0].numel())
+    per_block = 16 * SPLIT["H"] * 2 + SPLIT["H"] * 4 + 16 * 8 + 8  # gathered rows, the output row's RMW, metadata
+    assert codes <= st1.hbm_read_bytes
+    for st in (p0, p1):
+        assert codes // 2 <= st.hbm_read_bytes <= codes // 2 + scales + per_block + 64
+        assert st.dynamic_iterations == 1  # every program walks the one used block
+    bound = kc.error_bound(x, tw, ids, w13, s13, w2, s2, block)
+    ref = kc.reference_moe(x, tw, ids, w13, s13, w2, s2, *block, "e4m3")
+    assert kc.within_bound(out1, ref, bound)[0] and kc.within_bound(out2, ref, bound)[0]
+    assert kc.within_bound(out2, out1, bound)[0]
+
+
+def _same_half(pid, share):
+    return 0  # the fault: every program computes the first share of I
+
+
+@pytest.mark.parametrize("mode,limit", [("pow2", 0.0), ("pow2", GLM_TEST_SWIGLU_LIMIT), ("output-block", 0.0)])
+def test_the_gate_refuses_both_programs_computing_the_same_half(split_layers, mode, limit, monkeypatch):
+    """The intermediate split (T = 3, LNC 2, with and without the GLM clamp) passes the gate; its fault twin - both
+    programs on I rows [0, I/2), the second half never computed and the first counted twice - must fail it."""
+    from vllm_moe_w8.kernels import moe_w8_blocks
+
+    ok, ratio, _ = gate(split_layers[mode], 3, top_k=2, lnc=2, seed=12, swiglu_limit=limit)
+    assert ok, f"err/bound {ratio:.3f}"
+    monkeypatch.setattr(moe_w8_blocks, "inter_start", _same_half)
+    ok, ratio, _ = gate(split_layers[mode], 3, top_k=2, lnc=2, seed=12, swiglu_limit=limit)
+    assert not ok and ratio > 1
+
+
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+def test_the_gate_refuses_a_doubled_scale_tile_in_the_second_half(split_layers, mode):
+    """Fault twin of the split's scale offsets: one scale tile of program 1's half of I doubled (pow2: a down-projection
+    tile at k = 6 of 8; output-block: up's block 13 - 8 = 5 of 8) must fail the gate at LNC 2."""
+    def double_tile(kw):
+        if mode == "pow2":
+            kw.w2_scales[0, 5, 6] *= 2
+        else:
+            kw.w13_scales[0, 13, 0] *= 2
+
+    ok, ratio, _ = gate(split_layers[mode], 3, top_k=2, lnc=2, seed=12, fault=double_tile)
+    assert not ok and ratio > 1

@@ -87,9 +87,11 @@ def test_the_schedule_runs_on_the_routing_device_without_reading_values():
     assert all(t.device.type == "meta" for t in s.tensors())
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 384])
-def test_one_specialisation_per_bucket_over_many_routings(tokens):
-    ckpt = kernel_check.checkpoint_experts(4, 256, 128, seed=0)
+@pytest.mark.parametrize("tokens,inter", [(1, 128), (16, 128), (384, 128), (1, 256), (1, 1024), (16, 1024)])
+def test_one_specialisation_per_bucket_over_many_routings(tokens, inter):
+    """I = 1024 at LNC 2: selective decode splits the intermediate (split_inter=1: 512 rows a program), still one
+    compile per bucket; I = 256 (128-row shares) keeps the block split (host_routed.split_inter's static rule)."""
+    ckpt = kernel_check.checkpoint_experts(4, 256, inter, seed=0)
     w13, s13, w2, s2, block = kernel_check.repacked(ckpt, "pow2")
     kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
     bucket = host.bucket_for(tokens) if tokens <= host_routed.SELECTIVE_MAX_TOKENS else tokens
@@ -102,6 +104,13 @@ def test_one_specialisation_per_bucket_over_many_routings(tokens):
         kernel, tensors, consts = host_routed.block_call(x, tw, ti, kw, programs=2)
         host_routed.check_block_args(tensors, consts, kw.mode, 2, bucket, 2)
         keys.add(host_routed.specialisation(kernel, tensors, consts))
+        split = tokens <= host_routed.SELECTIVE_MAX_TOKENS and inter == 1024
+        assert consts["split_inter"] == int(split)
+        first, count = tensors[-1][:, 0].tolist(), tensors[-1][:, 1].tolist()
+        if split:  # every program walks every used block
+            assert first == [0, 0] and count[0] == count[1] > 0
+        else:
+            assert first[0] == 0 and first[1] == count[0]
     assert len(keys) == 1
 
 
@@ -121,17 +130,23 @@ def test_the_block_launch_contract_is_checked_on_the_host():
         host_routed.check_block_args(tuple(bad), consts, "pow2", 2, 32, 2)
     with pytest.raises(ValueError, match="block_range has shape"):
         host_routed.check_block_args(tensors, consts, "pow2", 1, 32, 2)
+    assert consts["split_inter"] == 0  # I = 128 at LNC 2: no 128-row share, the static fallback splits the blocks
+    with pytest.raises(ValueError, match="split_inter=1 needs .* I=128 a multiple of 2 x 128"):
+        host_routed.check_block_args(tensors, {**consts, "split_inter": 1}, "pow2", 2, 32, 2)
     with pytest.raises(ValueError, match="expert id 7 >= the 4 local experts"):
         routing.check_routing(ti + 4, 4)
 
 
-def test_the_launch_arguments_trace_whole_under_torch_compile():
-    """host_routed.block_call (padding, schedule, argument tuple) inside a fullgraph-compiled forward."""
+@pytest.mark.parametrize("inter", [128, 1024])
+def test_the_launch_arguments_trace_whole_under_torch_compile(inter):
+    """host_routed.block_call (padding, schedule, argument tuple) inside a fullgraph-compiled forward, with the
+    block split (I = 128) and the intermediate split (I = 1024: split_inter=1)."""
     torch._dynamo.reset()
-    ckpt = kernel_check.checkpoint_experts(4, 256, 128, seed=0)
+    ckpt = kernel_check.checkpoint_experts(4, 256, inter, seed=0)
     kw = host.to_kernel_layout(*kernel_check.repacked(ckpt, "pow2")[:4], 128, 128, "e4m3")
     tw, ti = kernel_check.routing(16, 4, 2, seed=5)
     x = torch.randn(16, 256)
+    assert host_routed.block_call(x, tw, ti, kw, programs=2)[2]["split_inter"] == int(inter == 1024)
 
     def args(x, w, i):
         return host_routed.block_call(x, w, i, kw, programs=2)[1]

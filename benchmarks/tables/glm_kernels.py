@@ -30,6 +30,7 @@ def render(results_dir: Path) -> str:
     for r in data["rows"]:
         kernels = r["ours_fitted_kernel"] if r["ours_fitted_kernel"] == r["ours_documented_kernel"] else \
             f"{r['ours_fitted_kernel']} / {r['ours_documented_kernel']}"
+        kernels += " (I split)" if r.get("ours_split_inter") else ""
         rows.append([r["shape"], f"{r['T']:,}", f"{r['routed_local_experts']} ({r['routed_weight_MB']:.0f})", kernels,
                      _us(r, "ours", "fitted"), _us(r, "ours", "documented"), FORK[r["fork_dataflow"]],
                      _us(r, "fork", "fitted"), _us(r, "fork", "documented"),
@@ -39,7 +40,8 @@ def render(results_dir: Path) -> str:
     return (markdown_table(head, rows)
             + "\nPer call, the slowest of the LNC=2 programs; model outputs of `kernels/nki_cpu/cost.py` in both scenarios "
             "(bound: the lane that decides), not measurements. neuron-w8: the launch `run_routed_experts` makes (kernel "
-            f"per scenario: selective up to T = {data['selective_max_tokens']}, dense up to 128, block prefill beyond; pow2 "
+            f"per scenario: selective up to T = {data['selective_max_tokens']}, dense up to 128, block prefill beyond; "
+            "\"I split\": each routed block's intermediate split across the two programs, `host_routed.split_inter`; pow2 "
             f"engine schedule {data['schedules']}), counted by the interpreter. Fork: its kernels restated as counters "
             "(`kernels/nki_cpu/glm_dataflows.py`: files and commits read, and what is assumed); GLM-5.3-Flash: its decode kernel "
             "for T <= 64 where that kernel's tiles fit 224 KiB of SBUF per partition as declared, else its fused kernel "

@@ -21,8 +21,10 @@ with its output contract and :func:`backend` makes its caller.
 
     moe_w8_blocks_pow2 /        hidden [T + B, H] bf16, the four weight tensors, token_position_to_id [N, B] i32,
     moe_w8_blocks_output_block  position_weight [N, B] f32, block_to_expert / block_new_expert [N, 1] i32,
-                                block_range [lnc, 2] i32; constants swiglu_limit (+ vector_blocks for pow2);
-                                output [lnc, T, H] fp32 (routing.combine)
+                                block_range [lnc, 2] i32; constants swiglu_limit (+ vector_blocks for pow2),
+                                split_inter (0/1: host_routed.split_inter of the bucket, LNC and I - selective
+                                decode at LNC 2 splits each block's I across the programs); output [lnc, T, H]
+                                fp32 (routing.combine: a partial sum per program either way)
 
 Where the kernels run:
 
