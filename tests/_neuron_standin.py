@@ -53,6 +53,30 @@ def glue_fixture(monkeypatch, install: bool = True):
         drop_standin()
 
 
+class Recorder:
+    """A torch.compile backend that keeps every graph it is given and runs it eagerly."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    @staticmethod
+    def launch_nodes(gm) -> list:
+        """The graph's opaque kernel-launch nodes (``moe_w8::nki_interpreted``)."""
+        op = torch.ops.moe_w8.nki_interpreted
+        return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
+
+    def launches(self, gm) -> int:
+        return len(self.launch_nodes(gm))
+
+    def kernels(self, gm) -> list[str]:
+        """The kernel launched by each opaque launch node of a graph (the op's first argument)."""
+        return [n.args[0] for n in self.launch_nodes(gm)]
+
+
 def compiled_glue_fixture(monkeypatch):
     """:func:`glue_fixture` for tests that compile the stand-in's model: dynamo's caches reset before and after."""
     torch._dynamo.reset()

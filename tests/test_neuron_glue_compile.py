@@ -31,25 +31,6 @@ def family(request, tmp_path_factory):
     return request.param, path, st.checkpoint_tensors(path)
 
 
-class Recorder:
-    """A torch.compile backend that keeps every graph it is given and runs it eagerly."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-    def launches(self, gm) -> int:
-        return len(self.kernels(gm))
-
-    def kernels(self, gm) -> list[str]:
-        """The kernel launched by each opaque launch node of a graph (the op's first argument)."""
-        op = torch.ops.moe_w8.nki_interpreted
-        return [n.args[0] for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
-
-
 @pytest.fixture()
 def glue(monkeypatch):
     yield from st.compiled_glue_fixture(monkeypatch)
@@ -86,7 +67,7 @@ def hidden(tokens, seed, h=256):
 @pytest.mark.parametrize("ep", [False, True], ids=["tp2", "ep2"])
 def test_compiled_model_traces_whole_matches_reference_and_does_not_recompile(glue, family, ep):
     name, path, t = family
-    rec = Recorder()
+    rec = st.Recorder()
     state, one = build(glue, name, path, ep, rec)
     models = st.run_ranks(WORLD, one)
     cases = [("decode", T_DECODE, True), ("prefill", T_PREFILL, False)]
@@ -140,7 +121,7 @@ def test_cpu_compile_traces_every_bucket_on_meta(glue, family):
     """VLLM_NEURON_CPU_COMPILE: load_weights_lite, model on meta, then every decode bucket and prefill length traces
     (fullgraph) with the experts' meta buffers; a tensor made on another device than the input's would fail here."""
     name, path, _ = family
-    rec = Recorder()
+    rec = st.Recorder()
     state, one = build(glue, name, path, False, rec, cpu_compile=True)
     state(0)
     model = one(0)
@@ -204,7 +185,7 @@ def test_fault_twins_a_forward_reading_routing_values_does_not_compile(glue, tmp
     else:
         monkeypatch.setattr(experts._W8Routed, "w8_runner", staticmethod(_host_scheduled))
     path = st.write_family_checkpoint("qwen3_moe", tmp_path / "q3")
-    state, one = build(glue, "qwen3_moe", path, False, Recorder())
+    state, one = build(glue, "qwen3_moe", path, False, st.Recorder())
     models = st.run_ranks(WORLD, one)
 
     def step(rank):

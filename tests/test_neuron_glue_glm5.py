@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import _neuron_standin as st
-from test_neuron_glue_compile import Recorder, _checked_block_schedule
+from test_neuron_glue_compile import _checked_block_schedule
 from test_neuron_glue_experts import OUTPUT_BLOCK_REL_TOL, REL_TOL
 from vllm_moe_w8.codec import fp8
 
@@ -211,7 +211,7 @@ def test_output_block_mode(glue, monkeypatch, ckpt, tensors):
 
 def test_compiled_model_traces_whole_matches_reference_and_does_not_recompile(glue, monkeypatch, ckpt, tensors):
     world = 2
-    rec = Recorder()
+    rec = st.Recorder()
     state, one = build(glue, monkeypatch, ckpt, world, recorder=rec)
     models = st.run_ranks(world, one)
     cases = [("decode", T_DECODE, True), ("prefill", T_PREFILL, False)]
@@ -254,7 +254,7 @@ def test_fault_twin_a_forward_reading_routing_values_does_not_compile(glue, monk
     from vllm_moe_w8.kernels import routing
 
     monkeypatch.setattr(routing, "block_schedule", _checked_block_schedule(routing.block_schedule))
-    state, one = build(glue, monkeypatch, ckpt, 2, recorder=Recorder())
+    state, one = build(glue, monkeypatch, ckpt, 2, recorder=st.Recorder())
     models = st.run_ranks(2, one)
 
     def step(rank):
@@ -404,7 +404,7 @@ def test_rel_tol_fault_twins(glue, monkeypatch, ckpt, tensors):
 def test_cpu_compile_traces_on_meta(glue, monkeypatch, ckpt):
     """VLLM_NEURON_CPU_COMPILE: load_weights_lite, model on meta; decode and prefill buckets trace with the experts'
     meta buffers."""
-    rec = Recorder()
+    rec = st.Recorder()
     state, one = build(glue, monkeypatch, ckpt, 2, recorder=rec, cpu_compile=True)
     state(0)
     model = one(0)

@@ -152,23 +152,9 @@ def test_an_int_rank_other_than_the_loaded_one_is_refused(glue, ckpt, tensors):
     assert within_gate(run(models, state, x, True, rank_of=lambda r, _: r), tensors, x), "a Python-int rank works too"
 
 
-class Recorder:
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-    @staticmethod
-    def launches(gm):
-        op = torch.ops.moe_w8.nki_interpreted
-        return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
-
-
 @pytest.mark.parametrize("ep", [False, True], ids=["tp2", "ep2"])
 def test_compiled_whole_no_recompile_over_routings(glue, ckpt, tensors, ep):
-    rec = Recorder()
+    rec = st.Recorder()
     state, models = load_ranks(ckpt, glue, ep, backend=rec)
     seeds = (11, 12, 13)
     routings = [g.route(tensors, 0, g.hidden(T_DECODE, s)).nonzero().tolist() for s in seeds]
@@ -184,7 +170,7 @@ def test_compiled_whole_no_recompile_over_routings(glue, ckpt, tensors, ep):
         assert within_gate(st.run_ranks(WORLD, step), tensors, x), (ep, seed)
     assert len(rec.graphs) == WORLD, "one graph per rank: no graph break (fullgraph), no recompile per routing"
     for gm in rec.graphs:
-        nodes = Recorder.launches(gm)
+        nodes = st.Recorder.launch_nodes(gm)
         assert [n.args[0] for n in nodes] == ["moe_w8_blocks_pow2"] * g.SIZES["num_hidden_layers"]
         dtypes = {a.meta["example_value"].dtype for n in nodes for a in n.all_input_nodes if "example_value" in a.meta}
         assert torch.float8_e4m3fn not in dtypes and torch.uint8 in dtypes, dtypes  # no unsafe-fp8 flag needed
@@ -202,7 +188,7 @@ def test_fault_twin_a_bank_reading_routing_values_does_not_compile(glue, ckpt, m
     from vllm_moe_w8.neuron_glue import glm_experts
 
     monkeypatch.setattr(glm_experts, "topk_of_affinities", _value_reading_topk)
-    state, models = load_ranks(ckpt, glue, ep=False, backend=Recorder())
+    state, models = load_ranks(ckpt, glue, ep=False, backend=st.Recorder())
     with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)) as info:
         run(models, state, g.hidden(T_DECODE, 1), False)
     assert "_value_reading_topk" in str(info.value) or "data-dependent" in str(info.value).lower(), str(info.value)[:2000]
