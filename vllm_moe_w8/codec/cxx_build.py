@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+# Shared by every library: their threads are a team of the process's OpenMP threads (see the header).
+TEAM_HEADER = Path(__file__).with_name("csrc") / "team.h"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno")
 
 
@@ -57,3 +59,13 @@ def build(source: Path, name: str, extra_flags=(), headers=(), verbose: bool = F
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def team_cpus(lib, reset: bool = False) -> frozenset[int]:
+    """The CPUs (ids below 64) the threads of ``lib``'s teams ran on since the last reset (``team.h``)."""
+    import ctypes
+
+    fn = lib.team_cpus_seen
+    fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_int]
+    mask = fn(1 if reset else 0)
+    return frozenset(i for i in range(64) if mask >> i & 1)

@@ -47,7 +47,7 @@ def _load():
         return _state.get("lib")
     try:
         flags, name = (("-pthread", "-mavx2"), "repack_pow2_avx2") if _has_avx2() else (("-pthread",), "repack_pow2")
-        lib = ctypes.CDLL(str(cxx_build.build(SOURCE, name, flags)))
+        lib = ctypes.CDLL(str(cxx_build.build(SOURCE, name, flags, [cxx_build.TEAM_HEADER])))
     except Exception as exc:  # no compiler, build or load error: numpy serves, and says why once
         _state["reason"] = f"{type(exc).__name__}: {exc}"
         logger.warning("neuron-w8 repack: native pow2 repack unavailable (%s); the numpy path runs (same bytes, slower)",

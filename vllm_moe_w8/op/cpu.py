@@ -20,8 +20,8 @@ Two implementations (both touch only the routed experts and group tokens by expe
   An expert routed to <= 3 tokens (8 on avx2) has each group of codes decoded in registers and used at once by all its
   tokens (memory-bound, reads 1 byte per weight); more tokens (prefill): four rows are decoded into an
   L1-resident panel that register tiles of (row, token) dot products reuse. ``torch.get_num_threads()`` threads:
-  the caller and helpers that claim work items from atomic counters; the caller never waits for a helper to
-  start (on a busy machine an OpenMP region's barriers wait for every thread to be scheduled). Codes must be finite in their format (repack and
+  a team of torch's own OpenMP threads (``codec/csrc/team.h``), which claim work items from atomic counters, so
+  under vLLM's CPU worker, which binds each OpenMP thread to a CPU, the work runs on every CPU it was given. Codes must be finite in their format (repack and
   the checkpoint validation guarantee it). The first call that reads an expert tensor backs its memory with 2 MiB
   pages (:mod:`vllm_moe_w8.op.hugepages`, ``VLLM_MOE_W8_CPU_HUGEPAGES``): decode streams the codes (``w8_4k`` in
   ``benchmarks/bench_moe_op.py``: what 4 KiB pages cost).

@@ -10,8 +10,8 @@ Two variants of the same kernel, one per instruction-set level (:data:`ISAS`):
 ``VLLM_MOE_W8_CPU_ISA`` (``avx512bf16``, ``avx2``, ``torch`` for the portable torch path, ``auto``); forcing a
 variant the CPU cannot run is an error naming the missing flags. ``VLLM_MOE_W8_NATIVE=0`` means ``torch``.
 
-Each variant is a plain C++ shared library (no torch headers) loaded with ctypes; its threads are the caller and
-detached helpers (``moe_common.h``, ``run_phases``). It is compiled at first use by :mod:`vllm_moe_w8.codec.cxx_build`
+Each variant is a plain C++ shared library (no torch headers) loaded with ctypes; its threads are a team of the
+process's OpenMP threads, torch's own pool (``moe_common.h`` ``run_phases``, ``codec/csrc/team.h``). It is compiled at first use by :mod:`vllm_moe_w8.codec.cxx_build`
 into ``$TORCH_EXTENSIONS_DIR/vllm_moe_w8`` (default ``~/.cache/torch_extensions``), keyed by a hash of the
 sources, flags and compiler, written atomically so concurrent workers can race safely. :func:`load` returns ``None`` (and says why, via
 :func:`unavailable_reason`) when no variant fits the CPU, no C++ compiler is found or the build fails; the
@@ -137,7 +137,8 @@ def cache_dir() -> Path:
 def build(isa: str, verbose: bool = False) -> Path:
     """Compile variant ``isa`` unless a cached build matches its sources, flags and compiler; returns the .so."""
     spec = ISAS[isa]
-    return cxx_build.build(CSRC / spec.source, f"moe_{isa}", spec.compile_flags, sorted(CSRC.glob("*.h")), verbose)
+    headers = [*sorted(CSRC.glob("*.h")), cxx_build.TEAM_HEADER]
+    return cxx_build.build(CSRC / spec.source, f"moe_{isa}", spec.compile_flags, headers, verbose)
 
 
 def load(isa: str | None = None):

@@ -1,7 +1,7 @@
 // The pow2 repack (vllm_moe_w8/codec/fp8.py, mode "pow2") in one read and one write of the bytes per tile row.
 //
 // Built at first use by vllm_moe_w8/codec/repack_native.py (g++ -O3 [-mavx2]; plain C++ vectorised by the
-// compiler, std::thread helpers), loaded with ctypes. Same bytes as the numpy body (repack_numpy.py), byte for byte:
+// compiler, a team of the process's OpenMP threads: team.h), loaded with ctypes. Same bytes as the numpy body (repack_numpy.py), byte for byte:
 //   a tile whose largest magnitude code is >= 0x78 (e4m3fn-only) is halved: magnitudes >= 0x10 lose one
 //   exponent step (code - 8, exact); below 0x10 the magnitude is the value in units of 2^-9 and its half is
 //   rounded to nearest even, which is again its own code; the sign bit is kept. Other tiles are copied.
@@ -12,9 +12,9 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
+
+#include "team.h"
 
 namespace {
 
@@ -96,18 +96,16 @@ struct Repack {
   }
 };
 
-// Tile rows handed out by an atomic counter; the caller waits only for rows a helper has claimed, never for a
-// helper to start (on a busy machine a helper thread may not run for milliseconds: it then finds no work).
+// Tile rows handed out by an atomic counter to the team's threads (a thread that starts late finds fewer rows).
 struct Job {
   Repack task;
-  std::atomic<int64_t> next{0}, done{0};
+  std::atomic<int64_t> next{0};
 
   void work() {
     std::vector<uint8_t> cm(task.k);
     std::vector<uint16_t> cc(task.k);
     for (int64_t g; (g = next.fetch_add(1)) < task.gn;) {
       task.tile_row(g, cm.data(), cc.data());
-      done.fetch_add(1, std::memory_order_release);
     }
   }
 };
@@ -117,22 +115,14 @@ struct Job {
 extern "C" {
 
 // in/out: [n, k] bytes (row-major); tiles (bn, bk), bk == k for whole rows; tile_max, rounded: [gn, gk].
-// Up to nthreads threads (one per ~1 MB): the caller and detached helpers.
+// Up to nthreads team threads (one per ~1 MB).
 void repack_pow2(const uint8_t* in, uint8_t* out, int64_t n, int64_t k, int64_t bn, int64_t bk,
                  uint8_t* tile_max, int64_t* rounded, int nthreads) {
   const int64_t gn = (n + bn - 1) / bn, gk = (k + bk - 1) / bk;
-  auto job = std::make_shared<Job>();
-  job->task = Repack{in, out, n, k, bn, bk, gn, gk, tile_max, rounded};
-  const int64_t helpers = std::min<int64_t>({int64_t{nthreads} - 1, (n * k >> 20) - 1, gn - 1});
-  for (int64_t h = 0; h < helpers; ++h) {
-    try {
-      std::thread([job] { job->work(); }).detach();
-    } catch (...) {  // no thread: the caller does the rows
-      break;
-    }
-  }
-  job->work();
-  while (job->done.load(std::memory_order_acquire) < gn) std::this_thread::yield();
+  Job job;
+  job.task = Repack{in, out, n, k, bn, bk, gn, gk, tile_max, rounded};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>({int64_t{nthreads}, n * k >> 20, gn}));
+  vllm_moe_w8_team::run(static_cast<int>(threads), [&job] { job.work(); });
 }
 
 }  // extern "C"

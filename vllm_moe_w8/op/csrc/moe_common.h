@@ -7,10 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
-#include <memory>
 #include <optional>
 #include <thread>
 #include <vector>
+
+#include "../../codec/csrc/team.h"
 
 namespace moe_w8 {
 
@@ -83,13 +84,11 @@ inline int threads_for(int64_t n_active, int64_t H, int64_t I, int nthreads) {
   return n_active * 3 * I * H < (int64_t{1} << 20) ? 1 : std::max(1, nthreads);
 }
 
-// Work items in up to kMaxPhases phases, run by the calling thread and threads - 1 detached helper threads.
-// Items are claimed from atomic counters; phase p + 1 starts once every item of phase p is done (release/acquire
-// on the done counters publishes what the items wrote). The caller waits only for items a helper has claimed,
-// never for a helper to start: on a busy machine a helper that is not scheduled in time finds no work left,
-// where an OpenMP region would wait for it at each barrier. Scratch is made lazily, once per thread that
-// claims an item; body and make are only called for claimed items, so a helper that wakes after the call has
-// returned touches nothing of it.
+// Work items in up to kMaxPhases phases, run by a team of the process's OpenMP threads (team.h: the threads the
+// host bound to its CPUs, the calling thread among them). Items are claimed from atomic counters; phase p + 1
+// starts once every item of phase p is done (release/acquire on the done counters publishes what the items
+// wrote), so a team thread that starts late finds less or nothing to do. Scratch is made lazily, once per
+// thread that claims an item.
 constexpr int kMaxPhases = 3;
 
 template <class Scratch>
@@ -117,24 +116,15 @@ struct PhasedWork {
 template <class Scratch>
 void run_phases(std::initializer_list<int64_t> items, int threads, std::function<Scratch()> make,
                 std::function<void(int, int64_t, Scratch&)> body) {
-  auto job = std::make_shared<PhasedWork<Scratch>>();
+  PhasedWork<Scratch> job;
   for (int64_t n : items) {
-    job->next[job->phases] = 0;
-    job->done[job->phases] = 0;
-    job->items[job->phases++] = n;
+    job.next[job.phases] = 0;
+    job.done[job.phases] = 0;
+    job.items[job.phases++] = n;
   }
-  job->make = std::move(make);
-  job->body = std::move(body);
-  for (int h = 1; h < threads; ++h) {
-    try {
-      std::thread([job] { job->work(); }).detach();
-    } catch (...) {  // no thread: the caller runs the items
-      break;
-    }
-  }
-  job->work();
-  const int last = job->phases - 1;
-  while (job->done[last].load(std::memory_order_acquire) < job->items[last]) std::this_thread::yield();
+  job.make = std::move(make);
+  job.body = std::move(body);
+  vllm_moe_w8_team::run(threads, [&job] { job.work(); });
 }
 
 inline float silu_mul(float g, float u, float limit) {
