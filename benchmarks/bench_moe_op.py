@@ -16,6 +16,8 @@ Side by side in one run, for each token count T:
 Protocol: every call gets a fresh random top-k routing and fresh activations (all implementations see the same
 ones), so the routed experts' weights come from memory as successive layers of a real model see them; the
 implementations alternate call by call (order reversed every repetition); medians of wall and process CPU time.
+The OpenMP threads are bound one per CPU, as vLLM's CPU worker binds them before a model runs (``--omp-bind none``:
+unbound, files ``-unbound``), so both sides run on the threads and CPUs they would have in ``vllm serve``.
 Goals, evaluated per row and recorded: >= 1.0x the fastest vLLM kernel for the checkpoint at every T; >= 1.3x vLLM
 BF16 at T <= 8 on hosts without AMX; expert memory <= 0.51x BF16. ``--check`` measures each path's error vs a
 float64 reference (BF16 in and out, and float32 in and out for w8's exact path).
@@ -206,6 +208,24 @@ def _fmt_row(r, vllm_names, with_exact, bf16_name):
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+BOUND_MARK = "VLLM_MOE_W8_BENCH_BOUND"
+
+
+def _bind_like_vllm(a) -> None:
+    """With ``--omp-bind vllm``, run in a fresh interpreter whose OpenMP threads are bound one per CPU, as vLLM's CPU
+    worker binds them before torch starts (its ``VLLM_CPU_OMP_THREADS_BIND=auto``: ``OMP_PLACES`` of single CPUs,
+    ``OMP_PROC_BIND=true``, ``OMP_NUM_THREADS``); libgomp reads them once, so this interpreter (torch loaded) re-executes."""
+    if a.omp_bind != "vllm" or os.environ.get(BOUND_MARK) == "1":
+        return
+    import sys
+
+    cpus = sorted(os.sched_getaffinity(0))[: a.threads or torch.get_num_threads()]
+    os.environ.update({"OMP_PLACES": ",".join("{%d}" % c for c in cpus), "OMP_PROC_BIND": "true",
+                       "OMP_NUM_THREADS": str(len(cpus)), BOUND_MARK: "1"})
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks.bench_moe_op", *sys.argv[1:]])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["qwen35"], choices=list(MODELS))
@@ -217,7 +237,11 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: torch's)")
     ap.add_argument("--vllm-build", default="host", choices=["host", "avx2"],
                     help="vLLM's kernel library: the one this CPU selects, or _C_AVX2 (what an AVX2-only host runs)")
+    ap.add_argument("--omp-bind", default="vllm", choices=["vllm", "none"],
+                    help="vllm (default): bind each OpenMP thread to one CPU as vLLM's CPU worker does "
+                         "(VLLM_CPU_OMP_THREADS_BIND=auto sets OMP_PLACES + OMP_PROC_BIND); none: leave threads unbound")
     a = ap.parse_args(argv)
+    _bind_like_vllm(a)
     if a.vllm_build == "avx2":  # vllm.platforms.cpu.import_kernels picks _C_AVX2 where AVX-512 is absent
         torch.cpu._is_avx512_supported = lambda: False
     os.environ["VLLM_MOE_W8_CPU_ISA"] = a.isa
@@ -258,9 +282,11 @@ def main(argv=None):
         print(f"  goals: >= 1.0x fastest vLLM at every T: {'met' if not unmet else f'NOT met at T={unmet}'}"
               + ("" if amx else f"; >= 1.3x vLLM BF16 at T <= 8: {'met' if not small else f'NOT met at T={small}'}"))
     results["loadavg_at_start"] = list(load_start)
+    results["omp_bind"] = {"mode": a.omp_bind, "OMP_PLACES": os.environ.get("OMP_PLACES"),
+                           "caller_affinity": sorted(os.sched_getaffinity(0))}
     results["threads_forced"] = a.threads
     variant = (f"{'amx-' if amx else ''}{isa}{'-forced' if forced else ''}{f'-{a.threads}thread' if a.threads else ''}"
-               f"{'-vllm_avx2' if a.vllm_build == 'avx2' else ''}")
+               f"{'-vllm_avx2' if a.vllm_build == 'avx2' else ''}{'-unbound' if a.omp_bind == 'none' else ''}")
     write_json(f"moe_op-{variant}", results)
 
 

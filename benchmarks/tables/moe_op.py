@@ -31,6 +31,10 @@ def _header(path: Path, data: dict, model: dict) -> str:
     how = "forced on this machine" if data["forced"] else "chosen for this CPU"
     if data.get("threads_forced"):
         how += f", every implementation limited to {data['threads_forced']} thread(s)"
+    if data.get("omp_bind", {}).get("mode") == "vllm":
+        how += f"; OpenMP threads bound one per CPU as vLLM's CPU worker binds them (OMP_PLACES {data['omp_bind']['OMP_PLACES']})"
+    elif "omp_bind" in data:
+        how += "; OpenMP threads unbound"
     if "library" in data.get("vllm", {}):
         how += f"; vLLM's kernel library {data['vllm']['library']}"
     text = (f"`{path.name}`: **{data['w8_impl']}** ({how}); {m['cpu_model']}, {m['torch_threads']} threads, ISA flags "
