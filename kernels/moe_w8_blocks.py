@@ -82,6 +82,22 @@ def resident_weights(hidden: int, inter: int) -> bool:
     return 3 * hidden * inter // P <= RESIDENT_BYTES
 
 
+def plain_first_rows(programs: int, mode: str) -> bool:
+    """Whether a block stores its tokens' first rows by a plain indirect write (and only the later rows by
+    read-modify-write) - a trace-time rule of the grid and the kernel's mode, never of the routing: always at LNC > 1
+    (no zero fill: a slab row is uninitialised until its first write); at one program the slab is zero-filled and
+    every row may add, and :data:`PLAIN_FIRST_AT_ONE_PROGRAM` says which is cheaper for the mode."""
+    return programs > 1 or PLAIN_FIRST_AT_ONE_PROGRAM[mode]
+
+
+# One program (cost model, benchmarks/bench_grouped_prefill.py at 2k / 8k tokens, fitted / documented): the plain
+# write saves the first rows' reads (DMA lane) but is one more 128-descriptor indirect DMA per block (GpSimd lane).
+# output-block is DMA-bound: 1.00 / 0.89 ms at 2k and 2.51 / 1.84 ms at 8k with it, 1.00 / 0.92 and 2.51 / 1.97
+# without; pow2 shares GpSimd with its block scale-adds: 1.12 / 0.95 and 2.82 / 2.39 ms with it, 1.01 / 0.92 and
+# 2.53 / 2.10 without.
+PLAIN_FIRST_AT_ONE_PROGRAM = {POW2: False, OUTPUT_BLOCK: True}
+
+
 def inter_start(pid, share):
     """First intermediate row of program ``pid``'s share of I when the intermediate is split (``share`` rows each)."""
     return pid * share
@@ -179,10 +195,13 @@ def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_pos
         w = min(SLAB, h - h0)
         _y, counter = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2, counter, i0)
     tokens = rows_total - b
-    store = nl.ndarray((b, 2), dtype=nl.int32, buffer=nl.sbuf)  # (plain-write token, add token); T + row: neither
-    nisa.dma_copy(dst=store, src=position_store.ap(pattern=[[2, b], [1, 2]], offset=0, scalar_offset=block,
-                                                   indirect_dim=0))
-    first = out.ap(pattern=[[h, b], [1, h]], offset=pid * tokens * h, vector_offset=store[:, 0:1], indirect_dim=1)
-    nisa.dma_copy(dst=first, src=y, oob_mode=nisa.oob_mode.skip)  # a token's first row in this program: no read
-    later = out.ap(pattern=[[h, b], [1, h]], offset=pid * tokens * h, vector_offset=store[:, 1:2], indirect_dim=1)
+    add_ids = ids  # one program: every row adds into the zero-filled slab (padding rows: T + row, skipped)
+    if plain_first_rows(nl.num_programs(axes=0), mode):
+        store = nl.ndarray((b, 2), dtype=nl.int32, buffer=nl.sbuf)  # (plain-write token, add token); T + row: neither
+        nisa.dma_copy(dst=store, src=position_store.ap(pattern=[[2, b], [1, 2]], offset=0, scalar_offset=block,
+                                                       indirect_dim=0))
+        first = out.ap(pattern=[[h, b], [1, h]], offset=pid * tokens * h, vector_offset=store[:, 0:1], indirect_dim=1)
+        nisa.dma_copy(dst=first, src=y, oob_mode=nisa.oob_mode.skip)  # a token's first row in this program: no read
+        add_ids = store[:, 1:2]
+    later = out.ap(pattern=[[h, b], [1, h]], offset=pid * tokens * h, vector_offset=add_ids, indirect_dim=1)
     nisa.dma_compute(dst=later, srcs=[later, y], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)

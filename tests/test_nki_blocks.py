@@ -134,12 +134,15 @@ def test_decode_reads_only_the_routed_experts():
 
 
 @interpreter_only
-def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers):
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers, mode):
     """300 tokens all routed to experts 0 and 1: 3 blocks each; with resident codes (a Qwen-width expert fits SBUF)
-    each expert's weights cross HBM once per program share, not once per block - and the result is the same."""
+    each expert's weights cross HBM once per program share, not once per block - and the result is the same. At one
+    program output-block plain-writes each token's first row (moe_w8_blocks.plain_first_rows), pow2 adds every row
+    into the zero-filled slab."""
     from vllm_moe_w8.kernels import moe_w8_blocks
 
-    w13, s13, w2, s2, block = qwen_layers["pow2"]
+    w13, s13, w2, s2, block = qwen_layers[mode]
     kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
     assert moe_w8_blocks.resident_weights(QWEN["H"], QWEN["I"])
     x = torch.randn(300, QWEN["H"], generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
@@ -152,9 +155,12 @@ def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers):
     st = stats[0][0]
     codes = kw.w13[0].numel() + kw.w2[0].numel()
     assert st.dynamic_iterations == 6  # six blocks; the weight loads of the four that continue an expert are skipped
-    # gathered rows (bf16, padding included) and the read-modify-write of the 300 rows that are a token's second
-    # (expert 1's: each token's expert-0 row is its first, a plain write; the 168 padding rows move nothing)
-    moved = 6 * 128 * QWEN["H"] * 2 + 300 * QWEN["H"] * 4
+    # gathered rows (bf16, padding included) and the read-modify-writes: output-block adds only the 300 rows that are
+    # a token's second (expert 1's; each token's expert-0 row is its first, a plain write), pow2 all 600 routed rows;
+    # the 168 padding rows move nothing
+    plain = moe_w8_blocks.plain_first_rows(1, mode)
+    assert plain == (mode == "output-block")
+    moved = 6 * 128 * QWEN["H"] * 2 + (300 if plain else 600) * QWEN["H"] * 4
     assert 2 * codes + moved <= st.hbm_read_bytes <= 2 * codes + moved + 64 * 1024  # not 6 x codes
     assert st.hbm_write_bytes == (300 + 600) * QWEN["H"] * 4  # zero fill of the 300 tokens, then the 600 routed rows
 
