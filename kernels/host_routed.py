@@ -22,9 +22,9 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
 * sizes: ``B`` = :func:`block_rows` (T), ``N`` = ``routing.capacity_blocks(T, k, E, B)``: functions of the bucket
   (T, top_k, E), never of the routing values. One compile per (mode, T bucket).
 * result ``[lnc, T, H] f32`` -> ``routing.combine(result, T, program_tokens)`` = the routed sum [T, H]
-  (:func:`block_call` returns ``program_tokens [lnc, T] bool`` beside the launch: at LNC > 1 the kernel writes only
-  the slab rows of the tokens each program stores - no zero fill - and the sum selects each slab there; at LNC 1
-  the slab is zero-filled and is the result).
+  (:func:`block_call` returns ``program_tokens [lnc, T] bool`` beside the launch: in block prefill at LNC > 1 the
+  kernel writes only the slab rows of the tokens each program stores - no zero fill - and the sum selects each slab
+  there; at LNC 1 and in selective decode the slabs are zero-filled (``moe_w8_blocks.zero_fill``) and it is None).
 
 Which schedule (:func:`schedule_for`): T <= ``SELECTIVE_MAX_TOKENS`` -> selective decode (B = the decode bucket,
 one block per routed local expert); up to 128 tokens beyond it -> the all-expert dense kernel (kernels/moe_w8.py,
@@ -44,7 +44,7 @@ import torch
 
 from . import host, routing
 from .moe_w8 import POW2_SCHEDULE
-from .moe_w8_blocks import SLAB, moe_w8_blocks_output_block, moe_w8_blocks_pow2
+from .moe_w8_blocks import SLAB, moe_w8_blocks_output_block, moe_w8_blocks_pow2, zero_fill
 
 P = 128
 # bench_nki_routed_decode.json: selective_cheaper_up_to_by_scenario (tests/test_nki_routing.py checks they agree)
@@ -85,7 +85,8 @@ def split_inter(tokens: int, block: int, programs: int, inter: int) -> bool:
 def block_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights,
                programs: int, swiglu_limit: float = 0.0, block: int | None = None):
     """(kernel, device tensors, constants, program_tokens) of one block-scheduled launch; traceable (no value read
-    on the host). ``program_tokens`` [programs, T] bool is for ``routing.combine`` after the launch.
+    on the host). ``program_tokens`` [programs, T] bool is for ``routing.combine`` after the launch: the tokens each
+    program's blocks store where the kernel writes no zero fill (block prefill at LNC > 1), None where it does.
 
     ``x`` [T, H] is the call's (bucket-padded) tokens; padded tokens carry no route (ids -1)."""
     tokens = x.shape[0]
@@ -97,7 +98,8 @@ def block_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
     if kw.mode == "pow2":
         consts["vector_blocks"] = POW2_SCHEDULE.vector_blocks
     consts["split_inter"] = int(split)
-    return BLOCKS[kw.mode], tensors, consts, sched.program_tokens
+    stored = None if zero_fill(programs, tokens, b) else sched.program_tokens  # a zero-filled slab is whole
+    return BLOCKS[kw.mode], tensors, consts, stored
 
 
 def check_block_args(tensors: tuple, consts: dict, mode: str, programs: int, tokens: int, top_k: int) -> None:

@@ -9,9 +9,10 @@ by vector-offset DMA, and stores each row's result into its token's output row: 
 program's blocks by a plain indirect write (``nisa.dma_copy`` to ``out.ap(vector_offset=...)``), its later rows by
 a DMA read-modify-write (``nisa.dma_compute``); both with ``oob_mode.skip``, each row's index in the other column
 of ``position_store`` (and a padding row's in both) being T + position, past the [T, H] output, so the DMA moves
-nothing for it: the top-k contributions of a token are combined on the device. At one program the slab is
-zero-filled first (the tokens no block stores must read 0); at LNC > 1 it is not - a slab row its program never
-stores stays unwritten and the host sum selects each slab by ``routing``'s ``program_tokens``. An expert's
+nothing for it: the top-k contributions of a token are combined on the device (:func:`plain_first_rows`: always
+without a zero fill; with one, per mode, and never in selective decode, where every row adds). At one program and
+in selective decode the slab is zero-filled first (:func:`zero_fill`); in block prefill at LNC > 1 it is not - a
+slab row its program never stores stays unwritten and the host sum selects each slab by ``program_tokens``. An expert's
 scales - and its codes when they fit SBUF (:func:`resident_weights`, a shape rule) - are loaded once per run of
 consecutive blocks of that expert: ``block_load_expert`` is the expert there and E elsewhere, and the loading DMAs
 (``oob_mode.skip``) move nothing for E, so the previous expert's stay in SBUF - no dynamic loop, the bytes of
@@ -82,12 +83,22 @@ def resident_weights(hidden: int, inter: int) -> bool:
     return 3 * hidden * inter // P <= RESIDENT_BYTES
 
 
-def plain_first_rows(programs: int, mode: str) -> bool:
+def zero_fill(programs: int, tokens: int, block: int) -> bool:
+    """Whether the kernel zero-fills its output slab (a trace-time rule of the grid and the bucket, never of the
+    routing): at one program (the slab is the result) and in selective decode (T <= B: a slab of <= 32 rows costs
+    less than a second indirect store per block); not in block prefill at LNC > 1, where each slab holds only its
+    program's rows and ``routing.combine`` selects them (``host_routed.block_call``'s ``program_tokens``)."""
+    return programs == 1 or tokens <= block
+
+
+def plain_first_rows(programs: int, tokens: int, block: int, mode: str) -> bool:
     """Whether a block stores its tokens' first rows by a plain indirect write (and only the later rows by
-    read-modify-write) - a trace-time rule of the grid and the kernel's mode, never of the routing: always at LNC > 1
-    (no zero fill: a slab row is uninitialised until its first write); at one program the slab is zero-filled and
-    every row may add, and :data:`PLAIN_FIRST_AT_ONE_PROGRAM` says which is cheaper for the mode."""
-    return programs > 1 or PLAIN_FIRST_AT_ONE_PROGRAM[mode]
+    read-modify-write): always without the zero fill (a slab row is uninitialised until its first write); on a
+    zero-filled block-prefill slab where :data:`PLAIN_FIRST_AT_ONE_PROGRAM` says it is cheaper for the mode; never in
+    selective decode."""
+    if not zero_fill(programs, tokens, block):
+        return True
+    return tokens > block and PLAIN_FIRST_AT_ONE_PROGRAM[mode]
 
 
 # One program (cost model, benchmarks/bench_grouped_prefill.py at 2k / 8k tokens, fitted / documented): the plain
@@ -129,7 +140,7 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
         i0 = inter_start(pid, share)
     dims = (b, g_h, share, share // P, w13_scales.shape[2], w2_scales.shape[2], limit, vector_blocks)
     out = nl.ndarray((programs, tokens, h), dtype=nl.float32, buffer=nl.shared_hbm)
-    if programs == 1:  # one slab is the result: the tokens no block stores must read 0 (LNC > 1: routing.combine selects)
+    if zero_fill(programs, tokens, b):  # the tokens no block stores must read 0 (else routing.combine selects)
         _zero_output(out, pid, tokens, h)
     ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
@@ -196,7 +207,7 @@ def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_pos
         _y, counter = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2, counter, i0)
     tokens = rows_total - b
     add_ids = ids  # one program: every row adds into the zero-filled slab (padding rows: T + row, skipped)
-    if plain_first_rows(nl.num_programs(axes=0), mode):
+    if plain_first_rows(nl.num_programs(axes=0), tokens, b, mode):
         store = nl.ndarray((b, 2), dtype=nl.int32, buffer=nl.sbuf)  # (plain-write token, add token); T + row: neither
         nisa.dma_copy(dst=store, src=position_store.ap(pattern=[[2, b], [1, 2]], offset=0, scalar_offset=block,
                                                        indirect_dim=0))

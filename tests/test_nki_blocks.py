@@ -158,7 +158,7 @@ def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers, mode)
     # gathered rows (bf16, padding included) and the read-modify-writes: output-block adds only the 300 rows that are
     # a token's second (expert 1's; each token's expert-0 row is its first, a plain write), pow2 all 600 routed rows;
     # the 168 padding rows move nothing
-    plain = moe_w8_blocks.plain_first_rows(1, mode)
+    plain = moe_w8_blocks.plain_first_rows(1, 300, 128, mode)
     assert plain == (mode == "output-block")
     moved = 6 * 128 * QWEN["H"] * 2 + (300 if plain else 600) * QWEN["H"] * 4
     assert 2 * codes + moved <= st.hbm_read_bytes <= 2 * codes + moved + 64 * 1024  # not 6 x codes
@@ -181,6 +181,7 @@ def test_lnc2_prefill_slabs_hold_only_their_programs_rows(qwen_layers, mode):
     x = torch.randn(tokens, QWEN["H"], generator=torch.Generator().manual_seed(21)).to(torch.bfloat16)
     tw, ti = kc.routing(tokens, kw.num_experts, 4, 21)
     kernel, tensors, consts, stored = host_routed.block_call(x, tw, ti, kw, 2)
+    assert host_routed.block_call(x[:8], tw[:8], ti[:8], kw, 2)[3] is None  # selective decode: zero-filled slabs
     out, _ = nki_launch(kernel, (2,), *[launch.numpy_arg(t) for t in tensors], lnc=2, **consts)
     partials = torch.from_numpy(out)
     for p in range(2):
