@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
-from vllm_moe_w8.kernels import grouping, host, launch, routing, schedule  # noqa: E402
+from vllm_moe_w8.kernels import grouping, host, launch, moe_w8_blocks, routing, schedule  # noqa: E402
 from vllm_moe_w8.kernels.nki_cpu import calibration, cost  # noqa: E402
 from vllm_moe_w8.kernels.nki_cpu.machine import Stats  # noqa: E402
 from vllm_moe_w8.neuron_glue import kernel_launch  # noqa: E402
@@ -203,13 +203,24 @@ def measure(kw: host.KernelWeights, tokens: int, lnc: int) -> list[dict]:
         return st
 
     block_stats, wall = _counted(blocks, kw.mode)
+    other_store = {}
+    if lnc == 1:  # the other store of a zero-filled slab (moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM flipped for this mode)
+        table = moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM
+        table[kw.mode] = not table[kw.mode]
+        try:
+            flipped, _ = _counted(blocks, kw.mode)
+        finally:
+            table[kw.mode] = not table[kw.mode]
+        priced_other = _priced_all(flipped)
+        other_store = {f"{n}_kernel_ms_other_store": priced_other[f"{n}_ms"] for n in calibration.SCENARIOS}
+        other_store["plain_first_rows"] = table[kw.mode]  # the store the row's own times are of
     sched = routing.block_schedule(tw, ti, SHAPE["E_local"], 128, lnc)
     used = int(sched.block_range[:, 1].sum())
     stored = int(sched.program_tokens.sum()) if lnc > 1 else 0
     rows.append(with_host({"kernel": "blocks", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": 1, "counted_calls": 1,
                            **_priced_all(block_stats), "interp_s": wall, "routed_rows": groups.routed, "tiles": used,
                            "capacity_blocks": routing.capacity_blocks(tokens, SHAPE["top_k"], SHAPE["E_local"], 128),
-                           "stored_rows": stored},
+                           "stored_rows": stored, **other_store},
                           host_steps("blocks", tokens, groups.routed, 128 * used, lnc, stored)))
     return rows
 
