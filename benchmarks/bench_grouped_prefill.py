@@ -204,7 +204,7 @@ def measure(kw: host.KernelWeights, tokens: int, lnc: int) -> list[dict]:
 
     block_stats, wall = _counted(blocks, kw.mode)
     other_store = {}
-    if lnc == 1:  # the other store of a zero-filled slab (moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM flipped for this mode)
+    if lnc == 1:  # the other store of a zero-filled slab (moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM flipped)
         table = moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM
         table[kw.mode] = not table[kw.mode]
         try:

@@ -62,20 +62,23 @@ RESIDENT_BYTES = 64 * 1024  # SBUF per partition an expert's codes may keep acro
 
 @nki.jit
 def moe_w8_blocks_pow2(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
-                       block_to_expert, block_load_expert, block_range, swiglu_limit=0.0, vector_blocks=POW2_SCHEDULE.vector_blocks,
-                       split_inter=0):
+                       block_to_expert, block_load_expert, block_range, swiglu_limit=0.0,
+                       vector_blocks=POW2_SCHEDULE.vector_blocks, split_inter=0):
     """Block-scheduled routed MoE with exact 128x128 block scales (pow2 repack). ``vector_blocks`` (trace-time
     constant, the dense kernel's): of every ``schedule.BLOCK_PERIOD`` block scale-adds, how many run on VectorE."""
     return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
-                   block_to_expert, block_load_expert, block_range, POW2, float(swiglu_limit), int(vector_blocks), int(split_inter))
+                   block_to_expert, block_load_expert, block_range, POW2, float(swiglu_limit), int(vector_blocks),
+                   int(split_inter))
 
 
 @nki.jit
 def moe_w8_blocks_output_block(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight,
-                               position_store, block_to_expert, block_load_expert, block_range, swiglu_limit=0.0, split_inter=0):
+                               position_store, block_to_expert, block_load_expert, block_range, swiglu_limit=0.0,
+                               split_inter=0):
     """Block-scheduled routed MoE with one scale per 128 output rows (output-block repack)."""
     return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
-                   block_to_expert, block_load_expert, block_range, OUTPUT_BLOCK, float(swiglu_limit), 0, int(split_inter))
+                   block_to_expert, block_load_expert, block_range, OUTPUT_BLOCK, float(swiglu_limit), 0,
+                   int(split_inter))
 
 
 def resident_weights(hidden: int, inter: int) -> bool:

@@ -271,3 +271,21 @@ def test_the_gate_refuses_a_doubled_scale_tile_in_the_second_half(split_layers, 
 
     ok, ratio, _ = gate(split_layers[mode], 3, top_k=2, lnc=2, seed=12, fault=double_tile)
     assert not ok and ratio > 1
+
+
+def test_the_one_program_store_is_the_recorded_cheaper_one():
+    """moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM per mode is the store benchmarks/bench_grouped_prefill.py found no
+    slower in either cost scenario at 2k and 8k tokens (LNC 1, the zero-filled slab), and cheaper in at least one."""
+    import json
+    from pathlib import Path
+
+    from vllm_moe_w8.kernels import moe_w8_blocks
+
+    rec = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "grouped_prefill.json").read_text())
+    rows = [r for r in rec["rows"] if r["kernel"] == "blocks" and r["LNC"] == 1]
+    assert {r["mode"] for r in rows} == set(moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM)
+    for mode, plain in moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM.items():
+        mine = [r for r in rows if r["mode"] == mode]
+        assert all(r["plain_first_rows"] == plain for r in mine), mode
+        pairs = [(r[f"{n}_kernel_ms"], r[f"{n}_kernel_ms_other_store"]) for r in mine for n in rec["scenarios"]]
+        assert all(a <= b * (1 + 1e-9) for a, b in pairs) and any(a < b * (1 - 1e-3) for a, b in pairs), mode
