@@ -12,7 +12,10 @@ of ``position_store`` (and a padding row's in both) being T + position, past the
 nothing for it: the top-k contributions of a token are combined on the device (:func:`plain_first_rows`: always
 without a zero fill; with one, per mode, and never in selective decode, where every row adds). At one program and
 in selective decode the slab is zero-filled first (:func:`zero_fill`); in block prefill at LNC > 1 it is not - a
-slab row its program never stores stays unwritten and the host sum selects each slab by ``program_tokens``. An expert's
+slab row its program never stores stays unwritten and the host sum selects each slab by ``program_tokens``. Order:
+a block holds at most one row of a token (routing sums a duplicate route into one row), so its write and its add
+never address the same row; a later block's add of a token follows the earlier block's write of it on the same
+``out`` tensor, the dependency the adds of consecutive blocks already had. An expert's
 scales - and its codes when they fit SBUF (:func:`resident_weights`, a shape rule) - are loaded once per run of
 consecutive blocks of that expert: ``block_load_expert`` is the expert there and E elsewhere, and the loading DMAs
 (``oob_mode.skip``) move nothing for E, so the previous expert's stay in SBUF - no dynamic loop, the bytes of
