@@ -31,9 +31,10 @@ Layout (B rows per block; T tokens, E local experts, n programs):
   equal shares of the used blocks, so the work of a call is proportional to its routed rows - or, with
   ``split=True`` (the kernel splits each block's intermediate across the programs), every program walks all
   the used blocks: (0, used) on every row.
-* ``program_tokens [n, T] bool`` (host side only, not a kernel input): the tokens program p's blocks store. At
-  LNC > 1 the kernel writes no zero fill: a slab row no block of that program stores is never written (garbage on
-  the device), so :func:`combine` takes each slab only where its program stored.
+* ``program_tokens [n, T] bool`` (host side only, not a kernel input): the tokens program p's blocks store. In
+  block prefill at LNC > 1 the kernel writes no zero fill (``moe_w8_blocks.zero_fill``): a slab row no block of that
+  program stores is never written (garbage on the device), so :func:`combine` takes each slab only where its
+  program stored.
 """
 
 from __future__ import annotations
