@@ -17,7 +17,8 @@ so the experts are random valid Trn2 float8_e4m3 codes.
 The kernels are not the whole prefill: the grouped kernel takes its rows already gathered into 128-row tiles and
 returns one fp32 row per routed row, so the host must gather the bf16 rows before it and add each token's top-k
 rows after it (``grouping.scatter_rows``); the block kernel gathers and combines on the device, and at LNC > 1 its
-per-program partial sums are added after it (``routing.combine``). Those host steps are device work in a served
+per-program partial sums are added after it (``routing.combine``: each program's slab only where it stored, the
+kernel writing no zero fill at LNC > 1). Those host steps are device work in a served
 graph; :func:`host_steps` prices each as the DMA traffic it needs at least (charitably: the gather reads the routed
 rows and writes the padded tiles; the combine reads the routed rows and writes each token once - no zero fill, no
 read-modify-write), 128-row transfers, vector-offset descriptors where indexed, split over the LNC cores, by the same
@@ -40,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_json  # noqa: E402
-from vllm_moe_w8.kernels import grouping, host, launch, routing, schedule  # noqa: E402
+from vllm_moe_w8.kernels import grouping, host, launch, moe_w8_blocks, routing, schedule  # noqa: E402
 from vllm_moe_w8.kernels.nki_cpu import calibration, cost  # noqa: E402
 from vllm_moe_w8.kernels.nki_cpu.machine import Stats  # noqa: E402
 from vllm_moe_w8.neuron_glue import kernel_launch  # noqa: E402
@@ -97,12 +98,17 @@ def _transfer(stats: Stats, rows: int, row_bytes: int, read: bool, indexed: bool
         stats.indirect_dmas[("vector", 128)] += dmas
 
 
-def host_steps(kernel: str, tokens: int, routed_rows: int, padded_rows: int, lnc: int) -> list[Stats]:
+def host_steps(kernel: str, tokens: int, routed_rows: int, padded_rows: int, lnc: int,
+               stored_rows: int = 0) -> list[Stats]:
     """Per host step, one LNC core's share (1/lnc of the rows) of the data movement the kernel leaves outside it.
 
     grouped: the gather (read the routed bf16 rows, indexed; write the padded [R, H] tiles) and the combine (read
-    the routed fp32 rows, indexed; write the [T, H] output once). blocks and dense: at LNC > 1 the sum of the
-    programs' [T, H] fp32 partials (read lnc slabs, write one); at LNC = 1 nothing (``routing.combine`` is a view)."""
+    the routed fp32 rows, indexed; write the [T, H] output once). dense: at LNC > 1 the sum of the programs' [T, H]
+    fp32 partials (read lnc slabs, write one). blocks: at LNC > 1 the masked sum of the programs' slabs
+    (``routing.combine`` with ``program_tokens``: read the ``stored_rows`` rows the programs stored, indexed, write
+    the [T, H] output once - the grouped combine's rule); at LNC = 1 nothing (``routing.combine`` is a view).
+    Every step ends at the fp32 routed sum ``run_routed_experts`` returns (the callers' cast to the model's dtype
+    follows either kernel alike and is charged to neither)."""
     h = SHAPE["H"]
     steps = []
     if kernel == "grouped":
@@ -112,6 +118,11 @@ def host_steps(kernel: str, tokens: int, routed_rows: int, padded_rows: int, lnc
         _transfer(combine, routed_rows // lnc, 4 * h, read=True, indexed=True)
         _transfer(combine, tokens // lnc, 4 * h, read=False, indexed=False)
         steps = [gather, combine]
+    elif kernel == "blocks" and lnc > 1:
+        partials = Stats()
+        _transfer(partials, stored_rows // lnc, 4 * h, read=True, indexed=True)
+        _transfer(partials, tokens // lnc, 4 * h, read=False, indexed=False)
+        steps = [partials]
     elif lnc > 1:
         partials = Stats()
         _transfer(partials, tokens, 4 * h, read=True, indexed=False)  # lnc slabs, 1/lnc of each per core
@@ -192,11 +203,25 @@ def measure(kw: host.KernelWeights, tokens: int, lnc: int) -> list[dict]:
         return st
 
     block_stats, wall = _counted(blocks, kw.mode)
-    used = int(routing.block_schedule(tw, ti, SHAPE["E_local"], 128, lnc).block_range[:, 1].sum())
+    other_store = {}
+    if lnc == 1:  # the other store of a zero-filled slab (moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM flipped)
+        table = moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM
+        table[kw.mode] = not table[kw.mode]
+        try:
+            flipped, _ = _counted(blocks, kw.mode)
+        finally:
+            table[kw.mode] = not table[kw.mode]
+        priced_other = _priced_all(flipped)
+        other_store = {f"{n}_kernel_ms_other_store": priced_other[f"{n}_ms"] for n in calibration.SCENARIOS}
+        other_store["plain_first_rows"] = table[kw.mode]  # the store the row's own times are of
+    sched = routing.block_schedule(tw, ti, SHAPE["E_local"], 128, lnc)
+    used = int(sched.block_range[:, 1].sum())
+    stored = int(sched.program_tokens.sum()) if lnc > 1 else 0
     rows.append(with_host({"kernel": "blocks", "mode": kw.mode, "T": tokens, "LNC": lnc, "calls": 1, "counted_calls": 1,
                            **_priced_all(block_stats), "interp_s": wall, "routed_rows": groups.routed, "tiles": used,
-                           "capacity_blocks": routing.capacity_blocks(tokens, SHAPE["top_k"], SHAPE["E_local"], 128)},
-                          host_steps("blocks", tokens, groups.routed, 128 * used, lnc)))
+                           "capacity_blocks": routing.capacity_blocks(tokens, SHAPE["top_k"], SHAPE["E_local"], 128),
+                           "stored_rows": stored, **other_store},
+                          host_steps("blocks", tokens, groups.routed, 128 * used, lnc, stored)))
     return rows
 
 
@@ -242,7 +267,8 @@ def main() -> None:
                   "with that scenario's engine schedule); dense: one 256-token chunk counted, "
                   "multiplied by the number of chunks (identical counts per chunk); grouped and blocks: the whole prefill counted; "
                   "per call the slowest LNC program; *_ms = kernel (*_kernel_ms) + host steps (*_host_ms, host_steps(): "
-                  "the grouped kernel's row gather and combine, the block kernel's sum of LNC partials, as device DMA "
+                  "the grouped kernel's row gather and combine, the block kernel's masked sum of LNC partials (the rows each "
+                  "program stored read, the output written once), the dense kernel's sum of LNC partials, as device DMA "
                   "traffic at least, split over the LNC cores, priced by the same cost model and added serially)",
         "cost_model_assumptions": cost.__doc__,
     })

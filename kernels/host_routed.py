@@ -6,8 +6,9 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
   the routing's device - :func:`block_call`):
   ``hidden [T + B, H] bf16``, ``w13 [E, 128, H/128, 2I] uint8``, ``w13_scales [E, 2I/128, G13] f32``,
   ``w2 [E, 128, I/128, H] uint8``, ``w2_scales [E, H/128, G2] f32`` (the resident ``host.KernelWeights``),
-  ``token_position_to_id [N, B] int32``, ``position_weight [N, B] f32``, ``block_to_expert [N, 1] int32``,
-  ``block_new_expert [N, 1] int32``, ``block_range [lnc, 2] int32`` (kernels/routing.py documents each).
+  ``token_position_to_id [N, B] int32``, ``position_weight [N, B] f32``, ``position_store [N, B, 2] int32``,
+  ``block_to_expert [N, 1] int32``, ``block_load_expert [N, 1] int32``, ``block_range [lnc, 2] int32``
+  (kernels/routing.py documents each).
 * **constants** (keyword, hashed into the compiled kernel; data-independent): ``swiglu_limit`` (float, the
   model's); pow2 also ``vector_blocks`` (int, the engine schedule ``kernels/schedule.py`` read from the Neuron
   calibration file at load, the dense kernel's); ``split_inter`` (int 0/1, :func:`split_inter`: a function of the
@@ -20,7 +21,10 @@ Launch contract (what ``neuron_glue.kernel_launch`` passes to ``wrap_nki(kernel)
   of 512: the static fallback) the programs split the blocks.
 * sizes: ``B`` = :func:`block_rows` (T), ``N`` = ``routing.capacity_blocks(T, k, E, B)``: functions of the bucket
   (T, top_k, E), never of the routing values. One compile per (mode, T bucket).
-* result ``[lnc, T, H] f32`` -> ``routing.combine(result, T)`` = the routed sum [T, H].
+* result ``[lnc, T, H] f32`` -> ``routing.combine(result, T, program_tokens)`` = the routed sum [T, H]
+  (:func:`block_call` returns ``program_tokens [lnc, T] bool`` beside the launch: in block prefill at LNC > 1 the
+  kernel writes only the slab rows of the tokens each program stores - no zero fill - and the sum selects each slab
+  there; at LNC 1 and in selective decode the slabs are zero-filled (``moe_w8_blocks.zero_fill``) and it is None).
 
 Which schedule (:func:`schedule_for`): T <= ``SELECTIVE_MAX_TOKENS`` -> selective decode (B = the decode bucket,
 one block per routed local expert); up to 128 tokens beyond it -> the all-expert dense kernel (kernels/moe_w8.py,
@@ -40,7 +44,7 @@ import torch
 
 from . import host, routing
 from .moe_w8 import POW2_SCHEDULE
-from .moe_w8_blocks import SLAB, moe_w8_blocks_output_block, moe_w8_blocks_pow2
+from .moe_w8_blocks import SLAB, moe_w8_blocks_output_block, moe_w8_blocks_pow2, zero_fill
 
 P = 128
 # bench_nki_routed_decode.json: selective_cheaper_up_to_by_scenario (tests/test_nki_routing.py checks they agree)
@@ -48,7 +52,7 @@ SELECTIVE_MAX_TOKENS_BY_SCENARIO = {"fitted": 32, "documented": 32}
 SELECTIVE_MAX_TOKENS = SELECTIVE_MAX_TOKENS_BY_SCENARIO[POW2_SCHEDULE.scenario]
 BLOCKS = {"pow2": moe_w8_blocks_pow2, "output-block": moe_w8_blocks_output_block}
 _DTYPES = {"hidden": "bfloat16", "token_position_to_id": "int32", "position_weight": "float32",
-           "block_to_expert": "int32", "block_new_expert": "int32", "block_range": "int32"}
+           "position_store": "int32", "block_to_expert": "int32", "block_load_expert": "int32", "block_range": "int32"}
 
 
 def schedule_for(tokens: int) -> str:
@@ -80,7 +84,9 @@ def split_inter(tokens: int, block: int, programs: int, inter: int) -> bool:
 
 def block_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights,
                programs: int, swiglu_limit: float = 0.0, block: int | None = None):
-    """(kernel, device tensors, constants) of one block-scheduled launch; traceable (no value read on the host).
+    """(kernel, device tensors, constants, program_tokens) of one block-scheduled launch; traceable (no value read
+    on the host). ``program_tokens`` [programs, T] bool is for ``routing.combine`` after the launch: the tokens each
+    program's blocks store where the kernel writes no zero fill (block prefill at LNC > 1), None where it does.
 
     ``x`` [T, H] is the call's (bucket-padded) tokens; padded tokens carry no route (ids -1)."""
     tokens = x.shape[0]
@@ -92,13 +98,14 @@ def block_call(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
     if kw.mode == "pow2":
         consts["vector_blocks"] = POW2_SCHEDULE.vector_blocks
     consts["split_inter"] = int(split)
-    return BLOCKS[kw.mode], tensors, consts
+    stored = None if zero_fill(programs, tokens, b) else sched.program_tokens  # a zero-filled slab is whole
+    return BLOCKS[kw.mode], tensors, consts, stored
 
 
 def check_block_args(tensors: tuple, consts: dict, mode: str, programs: int, tokens: int, top_k: int) -> None:
     """The block kernels' launch contract (shapes, dtypes, scale grids), checked before every launch; static
     properties only, so it is trace-safe. ValueError naming the tensor otherwise."""
-    hidden, w13, w13_scales, w2, w2_scales, t2i, pw, b2e, new, br = tensors
+    hidden, w13, w13_scales, w2, w2_scales, t2i, pw, store, b2e, load, br = tensors
     if len(hidden.shape) != 2:
         raise ValueError(f"moe_w8 block kernel: hidden must be [T + B, H], got {tuple(hidden.shape)}")
     e = host._check_expert_shapes(hidden.shape[1], w13, w2)
@@ -107,13 +114,14 @@ def check_block_args(tensors: tuple, consts: dict, mode: str, programs: int, tok
     if not 1 <= b <= P:
         raise ValueError(f"moe_w8 block kernel: token_position_to_id {tuple(t2i.shape)} must be [N, B] with B <= 128")
     want = {"hidden": (tokens + b, hidden.shape[1]), "token_position_to_id": (routing.capacity_blocks(tokens, top_k, e, b), b),
-            "position_weight": (n, b), "block_to_expert": (n, 1), "block_new_expert": (n, 1), "block_range": (programs, 2)}
+            "position_weight": (n, b), "position_store": (n, b, 2), "block_to_expert": (n, 1),
+            "block_load_expert": (n, 1), "block_range": (programs, 2)}
     inter = w13.shape[3] // 2
     if consts.get("split_inter", 0) and not can_split_inter(tokens, b, programs, inter):
         raise ValueError(f"moe_w8 block kernel: split_inter=1 needs selective decode (T={tokens} <= min(B={b}, "
                          f"{SELECTIVE_MAX_TOKENS})) at LNC > 1 (got {programs}) and I={inter} a multiple of "
                          f"{programs} x 128; pass host_routed.split_inter(T, B, LNC, I)")
-    for name, t in zip(_DTYPES, (hidden, t2i, pw, b2e, new, br)):
+    for name, t in zip(_DTYPES, (hidden, t2i, pw, store, b2e, load, br)):
         if tuple(t.shape) != want[name]:
             raise ValueError(f"moe_w8 block kernel: {name} has shape {tuple(t.shape)}; expected {want[name]} "
                              f"(T={tokens}, top_k={top_k}, E={e}, B={b}; build it with routing.block_schedule)")

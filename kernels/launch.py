@@ -71,11 +71,12 @@ def simulate_routed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
     from .nki_cpu import launch as nki_launch
 
     routing.check_routing(topk_ids, kw.num_experts)
-    kernel, tensors, consts = host_routed.block_call(x, topk_weights, topk_ids, kw, lnc, swiglu_limit, block)
+    kernel, tensors, consts, program_tokens = host_routed.block_call(x, topk_weights, topk_ids, kw, lnc, swiglu_limit,
+                                                                     block)
     if vector_blocks is not None and "vector_blocks" in consts:
         consts = {**consts, "vector_blocks": int(vector_blocks)}
     host_routed.check_block_args(tensors, consts, kw.mode, lnc, x.shape[0], topk_ids.shape[1])
     out, program_stats = nki_launch(kernel, (lnc,), *[numpy_arg(t) for t in tensors], lnc=lnc, **consts)
     if stats is not None:
         stats.append(program_stats)
-    return routing.combine(torch.from_numpy(np.asarray(out, dtype=np.float32)), x.shape[0])
+    return routing.combine(torch.from_numpy(np.asarray(out, dtype=np.float32)), x.shape[0], program_tokens)

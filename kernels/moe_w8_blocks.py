@@ -5,12 +5,22 @@ ops) say which hidden rows each block gathers, with which weights, through which
 walks the used blocks in a dynamic loop (``nl.dynamic_range`` over a register loaded from ``block_range``),
 keeps the block index in an SBUF tile, fetches the block's expert id by scalar-offset DMA, the expert's
 weights and scales by scalar-offset DMA (``.ap(scalar_offset=expert, indirect_dim=0)``), the block's token rows
-by vector-offset DMA, and adds each row's result into its token's output row with a DMA read-modify-write
-(``nisa.dma_compute`` with ``oob_mode.skip``: a padding row's index, T + position, lies past the [T, H] output,
-so the DMA moves nothing for it): the top-k contributions of a token are combined on the device. An expert's scales - and
-its codes when they fit SBUF (:func:`resident_weights`, a shape rule) - are loaded once per run of consecutive
-blocks of that expert (``block_new_expert``: a 0/1-trip dynamic loop; when T <= B - selective decode - every
-block is a new expert by construction, so they are loaded per block with no loop), else the codes stream per block. Nothing in the kernel's
+by vector-offset DMA, and stores each row's result into its token's output row: the token's first row in the
+program's blocks by a plain indirect write (``nisa.dma_copy`` to ``out.ap(vector_offset=...)``), its later rows by
+a DMA read-modify-write (``nisa.dma_compute``); both with ``oob_mode.skip``, each row's index in the other column
+of ``position_store`` (and a padding row's in both) being T + position, past the [T, H] output, so the DMA moves
+nothing for it: the top-k contributions of a token are combined on the device (:func:`plain_first_rows`: always
+without a zero fill; with one, per mode, and never in selective decode, where every row adds). At one program and
+in selective decode the slab is zero-filled first (:func:`zero_fill`); in block prefill at LNC > 1 it is not - a
+slab row its program never stores stays unwritten and the host sum selects each slab by ``program_tokens``. Order:
+a block holds at most one row of a token (routing sums a duplicate route into one row), so its write and its add
+never address the same row; a later block's add of a token follows the earlier block's write of it on the same
+``out`` tensor, the dependency the adds of consecutive blocks already had. An expert's
+scales - and its codes when they fit SBUF (:func:`resident_weights`, a shape rule) - are loaded once per run of
+consecutive blocks of that expert: ``block_load_expert`` is the expert there and E elsewhere, and the loading DMAs
+(``oob_mode.skip``) move nothing for E, so the previous expert's stay in SBUF - no dynamic loop, the bytes of
+the former 0/1-trip reload loop; when T <= B (selective decode) every block is a new expert by construction and
+they are loaded per block from ``block_to_expert``. Otherwise the codes stream per block. Nothing in the kernel's
 Python constants or shapes depends on the routing: one compile per (T, B, N) bucket; work and weight bytes
 follow the used blocks.
 
@@ -24,15 +34,17 @@ Arguments (checked on the host before every launch by ``host_routed.check_block_
     w13, w13_scales, w2, w2_scales                   the dense kernel's layout (host.to_kernel_layout)
     token_position_to_id  [N, B]            int32    hidden row of each block row (padding: T + row)
     position_weight       [N, B]            float32  routing weight of each block row (0 on padding)
+    position_store        [N, B, 2]         int32    (plain-write token, read-modify-write token); T + row: neither
     block_to_expert       [N, 1]            int32    local expert of each block
-    block_new_expert      [N, 1]            int32    1 where the block's expert is not the previous block's
+    block_load_expert     [N, 1]            int32    the expert to load where it changes (or a share starts), else E
     block_range           [n, 2]            int32    (first block, block count) of program p
     swiglu_limit          float (trace-time constant): > 0 clamps gate <= limit and |up| <= limit
     split_inter           int (trace-time constant, ``host_routed.split_inter``): 1 splits I across the programs
     returns               [n, T, H]         float32  program p's partial sums (host: routing.combine)
 
 Launched as ``kernel[n]`` (n = LNC): program p = ``nl.program_id(0)`` computes blocks
-[first_p, first_p + count_p) and writes only its own output slab (no cross-core read-modify-write). With
+[first_p, first_p + count_p) and writes only its own output slab (no cross-core read-modify-write; at LNC > 1
+only the rows of the tokens it stores). With
 ``split_inter`` (selective decode at LNC 2: a lone routed expert would otherwise leave a core idle) every program
 walks all the used blocks (``block_range`` rows (0, used)) over its own I / n intermediate rows - gate and up rows
 [p I/n, (p+1) I/n), the down projection over those rows - so each program reads half of every routed expert's
@@ -52,26 +64,55 @@ RESIDENT_BYTES = 64 * 1024  # SBUF per partition an expert's codes may keep acro
 
 
 @nki.jit
-def moe_w8_blocks_pow2(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-                       block_new_expert, block_range, swiglu_limit=0.0, vector_blocks=POW2_SCHEDULE.vector_blocks,
-                       split_inter=0):
+def moe_w8_blocks_pow2(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
+                       block_to_expert, block_load_expert, block_range, swiglu_limit=0.0,
+                       vector_blocks=POW2_SCHEDULE.vector_blocks, split_inter=0):
     """Block-scheduled routed MoE with exact 128x128 block scales (pow2 repack). ``vector_blocks`` (trace-time
     constant, the dense kernel's): of every ``schedule.BLOCK_PERIOD`` block scale-adds, how many run on VectorE."""
-    return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-                   block_new_expert, block_range, POW2, float(swiglu_limit), int(vector_blocks), int(split_inter))
+    return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
+                   block_to_expert, block_load_expert, block_range, POW2, float(swiglu_limit), int(vector_blocks),
+                   int(split_inter))
 
 
 @nki.jit
 def moe_w8_blocks_output_block(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight,
-                               block_to_expert, block_new_expert, block_range, swiglu_limit=0.0, split_inter=0):
+                               position_store, block_to_expert, block_load_expert, block_range, swiglu_limit=0.0,
+                               split_inter=0):
     """Block-scheduled routed MoE with one scale per 128 output rows (output-block repack)."""
-    return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-                   block_new_expert, block_range, OUTPUT_BLOCK, float(swiglu_limit), 0, int(split_inter))
+    return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
+                   block_to_expert, block_load_expert, block_range, OUTPUT_BLOCK, float(swiglu_limit), 0,
+                   int(split_inter))
 
 
 def resident_weights(hidden: int, inter: int) -> bool:
     """Whether one expert's codes stay in SBUF across its blocks (a shape rule: (3 H I / 128) B per partition)."""
     return 3 * hidden * inter // P <= RESIDENT_BYTES
+
+
+def zero_fill(programs: int, tokens: int, block: int) -> bool:
+    """Whether the kernel zero-fills its output slab (a trace-time rule of the grid and the bucket, never of the
+    routing): at one program (the slab is the result) and in selective decode (T <= B: a slab of <= 32 rows costs
+    less than a second indirect store per block); not in block prefill at LNC > 1, where each slab holds only its
+    program's rows and ``routing.combine`` selects them (``host_routed.block_call``'s ``program_tokens``)."""
+    return programs == 1 or tokens <= block
+
+
+def plain_first_rows(programs: int, tokens: int, block: int, mode: str) -> bool:
+    """Whether a block stores its tokens' first rows by a plain indirect write (and only the later rows by
+    read-modify-write): always without the zero fill (a slab row is uninitialised until its first write); on a
+    zero-filled block-prefill slab where :data:`PLAIN_FIRST_AT_ONE_PROGRAM` says it is cheaper for the mode; never in
+    selective decode."""
+    if not zero_fill(programs, tokens, block):
+        return True
+    return tokens > block and PLAIN_FIRST_AT_ONE_PROGRAM[mode]
+
+
+# One program (cost model, benchmarks/bench_grouped_prefill.py at 2k / 8k tokens, fitted / documented): the plain
+# write saves the first rows' reads (DMA lane) but is one more 128-descriptor indirect DMA per block (GpSimd lane).
+# output-block is DMA-bound: 1.00 / 0.89 ms at 2k and 2.51 / 1.84 ms at 8k with it, 1.00 / 0.92 and 2.51 / 1.97
+# without; pow2 shares GpSimd with its block scale-adds: 1.12 / 0.95 and 2.82 / 2.39 ms with it, 1.01 / 0.92 and
+# 2.53 / 2.10 without.
+PLAIN_FIRST_AT_ONE_PROGRAM = {POW2: False, OUTPUT_BLOCK: True}
 
 
 def inter_start(pid, share):
@@ -88,8 +129,8 @@ def _zero_output(out, pid, rows_total, hidden):
         nisa.dma_copy(dst=out[pid, r0:r0 + n, :], src=zeros[0:n, :])
 
 
-def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, block_to_expert,
-            block_new_expert, block_range, mode, limit, vector_blocks, split_inter):
+def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
+            block_to_expert, block_load_expert, block_range, mode, limit, vector_blocks, split_inter):
     rows_total, h = hidden.shape
     _n_blocks, b = token_position_to_id.shape
     tokens = rows_total - b  # the output holds the tokens only: padding rows (T + position) fall past it
@@ -105,12 +146,16 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
         i0 = inter_start(pid, share)
     dims = (b, g_h, share, share // P, w13_scales.shape[2], w2_scales.shape[2], limit, vector_blocks)
     out = nl.ndarray((programs, tokens, h), dtype=nl.float32, buffer=nl.shared_hbm)
-    _zero_output(out, pid, tokens, h)
+    if zero_fill(programs, tokens, b):  # the tokens no block stores must read 0 (else routing.combine selects)
+        _zero_output(out, pid, tokens, h)
     ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
     # the current expert's scales (and, when they fit, its codes) persist across its blocks
     sc13 = nl.ndarray((b, w13_scales.shape[1] * w13_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
     sc2 = nl.ndarray((b, w2_scales.shape[1] * w2_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
+    rows13 = nl.ndarray((1, w13_scales.shape[1] * w13_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
+    rows2 = nl.ndarray((1, w2_scales.shape[1] * w2_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
+    state = (ones, rows13, rows2, sc13, sc2)
     res13 = None
     res2 = None
     if resident_weights(h, inter) and not split_inter:  # a share streams only its own rows
@@ -125,33 +170,32 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
         expert = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=expert, src=block_to_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
                                                          indirect_dim=0))
-        if tokens <= b:  # selective decode: an expert's rows (<= T) fill one block, every block is a new expert
-            _load_expert_state(expert, w13, w13_scales, w2, w2_scales, b, ones, sc13, sc2, res13, res2)
-        else:
-            new = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=new, src=block_new_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
-                                                           indirect_dim=0))
-            new_reg = nisa.register_alloc()
-            nisa.register_load(new_reg, new)
-            for _ in nl.dynamic_range(new_reg):  # 0 or 1 trip: a new expert's scales (and resident codes)
-                _load_expert_state(expert, w13, w13_scales, w2, w2_scales, b, ones, sc13, sc2, res13, res2)
-        _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight, out,
-                   pid, dims, mode, i0)
+        load = expert  # selective decode (T <= B): an expert's rows (<= T) fill one block, every block is a new expert
+        if tokens > b:  # the expert where it changes, else E: the loads below move nothing and SBUF keeps the last one
+            load = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=load, src=block_load_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
+                                                             indirect_dim=0))
+        _load_expert_state(load, w13, w13_scales, w2, w2_scales, b, state, res13, res2)
+        _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight,
+                   position_store, out, pid, dims, mode, i0)
         nisa.tensor_scalar(dst=block, data=block, op0=nl.add, operand0=1)
     return out
 
 
-def _load_expert_state(expert, w13, w13_scales, w2, w2_scales, b, ones, sc13, sc2, res13, res2):
-    """The block's expert's scales broadcast to the block's rows, and its codes when they stay resident."""
-    broadcast_row(expert_rows(w13_scales, expert), b, ones, sc13)
-    broadcast_row(expert_rows(w2_scales, expert), b, ones, sc2)
+def _load_expert_state(expert, w13, w13_scales, w2, w2_scales, b, state, res13, res2):
+    """Expert ``expert``'s scale rows (and its codes when they stay resident) into SBUF - nothing moves when it is
+    E (``oob_mode.skip``: the rows and codes of the block's expert are already there) - and the scale rows
+    broadcast to the block's rows."""
+    ones, rows13, rows2, sc13, sc2 = state
+    broadcast_row(expert_rows(w13_scales, expert, rows13), b, ones, sc13)
+    broadcast_row(expert_rows(w2_scales, expert, rows2), b, ones, sc2)
     if res13 is not None:
         load_expert(w13, expert, res13)
         load_expert(w2, expert, res2)
 
 
-def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight, out, pid,
-               dims, mode, i0):
+def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight,
+               position_store, out, pid, dims, mode, i0):
     b, g_h, _inter, g_i, _g13, _g2, _limit, _vector_blocks = dims
     rows_total, h = hidden.shape
     ids = nl.ndarray((b, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -168,5 +212,13 @@ def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_pos
         w = min(SLAB, h - h0)
         _y, counter = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2, counter, i0)
     tokens = rows_total - b
-    dst = out.ap(pattern=[[h, b], [1, h]], offset=pid * tokens * h, vector_offset=ids, indirect_dim=1)
-    nisa.dma_compute(dst=dst, srcs=[dst, y], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)  # padding: T + row
+    add_ids = ids  # one program: every row adds into the zero-filled slab (padding rows: T + row, skipped)
+    if plain_first_rows(nl.num_programs(axes=0), tokens, b, mode):
+        store = nl.ndarray((b, 2), dtype=nl.int32, buffer=nl.sbuf)  # (plain-write token, add token); T + row: neither
+        nisa.dma_copy(dst=store, src=position_store.ap(pattern=[[2, b], [1, 2]], offset=0, scalar_offset=block,
+                                                       indirect_dim=0))
+        first = out.ap(pattern=[[h, b], [1, h]], offset=pid * tokens * h, vector_offset=store[:, 0:1], indirect_dim=1)
+        nisa.dma_copy(dst=first, src=y, oob_mode=nisa.oob_mode.skip)  # a token's first row in this program: no read
+        add_ids = store[:, 1:2]
+    later = out.ap(pattern=[[h, b], [1, h]], offset=pid * tokens * h, vector_offset=add_ids, indirect_dim=1)
+    nisa.dma_compute(dst=later, srcs=[later, y], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)

@@ -21,11 +21,14 @@ POW2 = "pow2"
 OUTPUT_BLOCK = "output-block"
 
 
-def expert_rows(table, expert):
-    """[1, n] fp32 in SBUF: row ``expert`` of an [E, a, b] HBM scale table (n = a*b), by scalar-offset DMA."""
+def expert_rows(table, expert, row=None):
+    """[1, n] fp32 in SBUF (``row`` when given): row ``expert`` of an [E, a, b] HBM scale table (n = a*b), by
+    scalar-offset DMA; an ``expert`` outside [0, E) moves nothing (``oob_mode.skip``: ``row`` keeps what it held)."""
     n = table.shape[1] * table.shape[2]
-    row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=row, src=table.ap(pattern=[[n, 1], [1, n]], offset=0, scalar_offset=expert, indirect_dim=0))
+    if row is None:
+        row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row, src=table.ap(pattern=[[n, 1], [1, n]], offset=0, scalar_offset=expert, indirect_dim=0),
+                  oob_mode=nisa.oob_mode.skip)
     return row
 
 
@@ -43,10 +46,11 @@ def broadcast_row(row, rows, ones, out=None):
 
 
 def load_expert(weights, expert, out):
-    """out [P, G, C] uint8 SBUF := all of expert ``expert`` of an [E, P, G, C] HBM tensor (one scalar-offset DMA)."""
+    """out [P, G, C] uint8 SBUF := all of expert ``expert`` of an [E, P, G, C] HBM tensor (one scalar-offset DMA;
+    an ``expert`` outside [0, E) moves nothing: ``oob_mode.skip``, ``out`` keeps the expert it held)."""
     _e, p, g, cols = weights.shape
     nisa.dma_copy(dst=out, src=weights.ap(pattern=[[g * cols, p], [cols, g], [1, cols]], offset=0, scalar_offset=expert,
-                                          indirect_dim=0))
+                                          indirect_dim=0), oob_mode=nisa.oob_mode.skip)
 
 
 def weight_slab(weights, expert, col0, width, resident=None, group0=0, groups=None):

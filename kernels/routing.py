@@ -16,14 +16,25 @@ Layout (B rows per block; T tokens, E local experts, n programs):
   its scatter-add skips them (``oob_mode.skip``: no bytes move for padding).
 * ``position_weight [N, B] float32``: the routing weight of that row (0 on padding); a token routed twice
   to the same expert gets one row with the summed weight.
+* ``position_store [N, B, 2] int32``: where the kernel stores each block row's result in its program's output
+  slab: column 0 the token when the row is the token's FIRST row in its program's blocks (in the order the program
+  walks them: block order, then row order) - a plain indirect write -, column 1 the token for its later rows - a
+  read-modify-write add -, and T + (position mod B) (past the [T, H] slab: ``oob_mode.skip`` moves nothing) in the
+  other column and on padding rows. A token routed twice to one expert has one row (weights summed), so a block
+  never holds two rows of one token and its write and add rows never address the same token.
 * ``block_to_expert [N, 1] int32``: the local expert of each block (blocks past the used ones: E - 1,
   never visited).
-* ``block_new_expert [N, 1] int32``: 1 where a block's expert differs from the previous block's, or the block
-  starts a program's share; the kernel reloads weights only there (a 0/1-trip dynamic loop).
+* ``block_load_expert [N, 1] int32``: the block's expert where it differs from the previous block's or the block
+  starts a program's share - the kernel loads that expert's scales (and resident codes) there -, else E (past the
+  weight tables: the loading DMAs, ``oob_mode.skip``, move nothing and the previous expert's stay in SBUF).
 * ``block_range [n, 2] int32``: (first block, block count) of each program; programs take contiguous,
   equal shares of the used blocks, so the work of a call is proportional to its routed rows - or, with
   ``split=True`` (the kernel splits each block's intermediate across the programs), every program walks all
   the used blocks: (0, used) on every row.
+* ``program_tokens [n, T] bool`` (host side only, not a kernel input): the tokens program p's blocks store. In
+  block prefill at LNC > 1 the kernel writes no zero fill (``moe_w8_blocks.zero_fill``): a slab row no block of that
+  program stores is never written (garbage on the device), so :func:`combine` takes each slab only where its
+  program stored.
 """
 
 from __future__ import annotations
@@ -47,13 +58,16 @@ def capacity_blocks(tokens: int, top_k: int, num_experts: int, block_rows: int) 
 class BlockSchedule:
     token_position_to_id: torch.Tensor  # [N, B] int32
     position_weight: torch.Tensor  # [N, B] float32
+    position_store: torch.Tensor  # [N, B, 2] int32: (plain-write token, read-modify-write token), T + row = neither
     block_to_expert: torch.Tensor  # [N, 1] int32
-    block_new_expert: torch.Tensor  # [N, 1] int32: 1 where the weights must be (re)loaded
+    block_load_expert: torch.Tensor  # [N, 1] int32: the expert whose weights the block loads, E = none
     block_range: torch.Tensor  # [programs, 2] int32: first block, count
+    program_tokens: torch.Tensor  # [programs, T] bool: the tokens each program's blocks store (host side)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.token_position_to_id, self.position_weight, self.block_to_expert, self.block_new_expert,
-                self.block_range)
+        """The kernel's metadata arguments, in launch order."""
+        return (self.token_position_to_id, self.position_weight, self.position_store, self.block_to_expert,
+                self.block_load_expert, self.block_range)
 
 
 def local_affinities(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -107,7 +121,27 @@ def block_schedule(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_exper
     if n > 1:
         new[1:] = (experts[1:] != experts[:-1]).to(torch.int32)
     new = new.scatter(0, first.clamp(max=max(n - 1, 0)), torch.ones(programs, dtype=torch.int32, device=dev))
-    return BlockSchedule(t2i, weight.reshape(n, b), b2e, new.reshape(n, 1), block_range)
+    load = torch.where(new > 0, experts, e).to(torch.int32).reshape(n, 1)
+    groups = 1 if split else programs
+    group = (block_ids // share.clamp(min=1)).clamp(max=groups - 1) if not split else torch.zeros_like(block_ids)
+    store, stored = _first_stores(slots, group.repeat_interleave(b), padding, tokens, groups)
+    program_tokens = stored.expand(programs, tokens) if split else stored
+    return BlockSchedule(t2i, weight.reshape(n, b), store.reshape(n, b, 2), b2e, load, block_range, program_tokens)
+
+
+def _first_stores(slots: torch.Tensor, group: torch.Tensor, padding: torch.Tensor, tokens: int, groups: int):
+    """([N*B, 2] int32 store columns, [groups, T] bool stored): a slot (token ``slots``, -1 = padding, walked by
+    program ``group``) is its token's first in that program when no earlier slot of the program holds the token."""
+    real = slots >= 0
+    slot = torch.arange(slots.shape[0], device=slots.device)
+    key = torch.where(real, group * tokens + slots, groups * tokens)  # padding -> one slot past the keys
+    first_slot = torch.full((groups * tokens + 1,), slots.shape[0], dtype=torch.long, device=slots.device)
+    first_slot = first_slot.scatter_reduce(0, key, slot, reduce="amin", include_self=True)
+    first = real & (first_slot[key] == slot)
+    write = torch.where(first, slots, padding)
+    add = torch.where(real & ~first, slots, padding)
+    stored = (first_slot[:-1] < slots.shape[0]).reshape(groups, tokens)
+    return torch.stack([write, add], dim=1).to(torch.int32), stored
 
 
 def padded_hidden(x: torch.Tensor, block_rows: int) -> torch.Tensor:
@@ -115,8 +149,17 @@ def padded_hidden(x: torch.Tensor, block_rows: int) -> torch.Tensor:
     return torch.cat([x.to(torch.bfloat16), x.new_zeros((block_rows, x.shape[1]), dtype=torch.bfloat16)]).contiguous()
 
 
-def combine(partials: torch.Tensor, tokens: int) -> torch.Tensor:
-    """[programs, T, H] fp32 partial sums -> [tokens, H]: the programs' shares added (one program: a view)."""
+def combine(partials: torch.Tensor, tokens: int, program_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """[programs, T, H] fp32 partial sums -> [tokens, H]: the programs' shares added (one program: a view - its
+    slab is zero-filled by the kernel). With ``program_tokens`` [programs, T] (the block kernels at LNC > 1, whose
+    slabs hold only the rows their program stored) each slab counts only where its program stored: a selection, so
+    the never-written rows (garbage, NaN in the interpreter) are never read into the sum."""
     if partials.shape[0] == 1:
         return partials[0, :tokens]
-    return partials.sum(dim=0)[:tokens]
+    if program_tokens is None:
+        return partials.sum(dim=0)[:tokens]
+    zero = partials.new_zeros(())
+    total = torch.where(program_tokens[0, :, None], partials[0], zero)
+    for p in range(1, partials.shape[0]):
+        total = total + torch.where(program_tokens[p, :, None], partials[p], zero)
+    return total[:tokens]

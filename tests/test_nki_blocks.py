@@ -134,12 +134,15 @@ def test_decode_reads_only_the_routed_experts():
 
 
 @interpreter_only
-def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers):
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers, mode):
     """300 tokens all routed to experts 0 and 1: 3 blocks each; with resident codes (a Qwen-width expert fits SBUF)
-    each expert's weights cross HBM once per program share, not once per block - and the result is the same."""
+    each expert's weights cross HBM once per program share, not once per block - and the result is the same. At one
+    program output-block plain-writes each token's first row (moe_w8_blocks.plain_first_rows), pow2 adds every row
+    into the zero-filled slab."""
     from vllm_moe_w8.kernels import moe_w8_blocks
 
-    w13, s13, w2, s2, block = qwen_layers["pow2"]
+    w13, s13, w2, s2, block = qwen_layers[mode]
     kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
     assert moe_w8_blocks.resident_weights(QWEN["H"], QWEN["I"])
     x = torch.randn(300, QWEN["H"], generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
@@ -151,12 +154,44 @@ def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers):
     assert kc.within_bound(out, ref, kc.error_bound(x, tw, ids, w13, s13, w2, s2, block))[0]
     st = stats[0][0]
     codes = kw.w13[0].numel() + kw.w2[0].numel()
-    assert st.dynamic_iterations == 6 + 2  # six blocks, two of them start an expert
-    # gathered rows (bf16, padding included) and the read-modify-write of the 600 routed rows' outputs (fp32; the
-    # 168 padding rows are skipped: oob_mode.skip)
-    moved = 6 * 128 * QWEN["H"] * 2 + 600 * QWEN["H"] * 4
+    assert st.dynamic_iterations == 6  # six blocks; the weight loads of the four that continue an expert are skipped
+    # gathered rows (bf16, padding included) and the read-modify-writes: output-block adds only the 300 rows that are
+    # a token's second (expert 1's; each token's expert-0 row is its first, a plain write), pow2 all 600 routed rows;
+    # the 168 padding rows move nothing
+    plain = moe_w8_blocks.plain_first_rows(1, 300, 128, mode)
+    assert plain == (mode == "output-block")
+    moved = 6 * 128 * QWEN["H"] * 2 + (300 if plain else 600) * QWEN["H"] * 4
     assert 2 * codes + moved <= st.hbm_read_bytes <= 2 * codes + moved + 64 * 1024  # not 6 x codes
     assert st.hbm_write_bytes == (300 + 600) * QWEN["H"] * 4  # zero fill of the 300 tokens, then the 600 routed rows
+
+
+@interpreter_only
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+def test_lnc2_prefill_slabs_hold_only_their_programs_rows(qwen_layers, mode):
+    """Block prefill at LNC 2 writes no zero fill: each program's slab holds exactly the rows of the tokens its blocks
+    store (routing's program_tokens; every other row never written - NaN from the interpreter), the masked sum passes
+    the gate, and its fault twin - the slabs summed without the masks - is refused (NaN where a token's row is
+    missing from a slab: here every token lacks one in some slab)."""
+    from vllm_moe_w8.kernels import host_routed, routing
+    from vllm_moe_w8.kernels.nki_cpu import launch as nki_launch
+
+    w13, s13, w2, s2, block = qwen_layers[mode]
+    kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+    tokens = 260
+    x = torch.randn(tokens, QWEN["H"], generator=torch.Generator().manual_seed(21)).to(torch.bfloat16)
+    tw, ti = kc.routing(tokens, kw.num_experts, 4, 21)
+    kernel, tensors, consts, stored = host_routed.block_call(x, tw, ti, kw, 2)
+    assert host_routed.block_call(x[:8], tw[:8], ti[:8], kw, 2)[3] is None  # selective decode: zero-filled slabs
+    out, _ = nki_launch(kernel, (2,), *[launch.numpy_arg(t) for t in tensors], lnc=2, **consts)
+    partials = torch.from_numpy(out)
+    for p in range(2):
+        assert torch.equal(torch.isnan(partials[p]).all(dim=1), ~stored[p])
+        assert not torch.isnan(partials[p][stored[p]]).any()
+    ref = kc.reference_moe(x, tw, ti, w13, s13, w2, s2, *block, "e4m3")
+    bound = kc.error_bound(x, tw, ti, w13, s13, w2, s2, block)
+    assert kc.within_bound(routing.combine(partials, tokens, stored), ref, bound)[0]
+    ok, _err, _ratio = kc.within_bound(routing.combine(partials, tokens), ref, bound)  # FAULT: no masks
+    assert not ok
 
 
 def _fp8_matmuls(st):
@@ -236,3 +271,21 @@ def test_the_gate_refuses_a_doubled_scale_tile_in_the_second_half(split_layers, 
 
     ok, ratio, _ = gate(split_layers[mode], 3, top_k=2, lnc=2, seed=12, fault=double_tile)
     assert not ok and ratio > 1
+
+
+def test_the_one_program_store_is_the_recorded_cheaper_one():
+    """moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM per mode is the store benchmarks/bench_grouped_prefill.py found no
+    slower in either cost scenario at 2k and 8k tokens (LNC 1, the zero-filled slab), and cheaper in at least one."""
+    import json
+    from pathlib import Path
+
+    from vllm_moe_w8.kernels import moe_w8_blocks
+
+    rec = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "grouped_prefill.json").read_text())
+    rows = [r for r in rec["rows"] if r["kernel"] == "blocks" and r["LNC"] == 1]
+    assert {r["mode"] for r in rows} == set(moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM)
+    for mode, plain in moe_w8_blocks.PLAIN_FIRST_AT_ONE_PROGRAM.items():
+        mine = [r for r in rows if r["mode"] == mode]
+        assert all(r["plain_first_rows"] == plain for r in mine), mode
+        pairs = [(r[f"{n}_kernel_ms"], r[f"{n}_kernel_ms_other_store"]) for r in mine for n in rec["scenarios"]]
+        assert all(a <= b * (1 + 1e-9) for a, b in pairs) and any(a < b * (1 - 1e-3) for a, b in pairs), mode

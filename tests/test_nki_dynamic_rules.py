@@ -239,6 +239,96 @@ def test_dma_read_modify_write_with_oob_skip_leaves_out_of_range_rows_and_their_
         run(bad_mode, base, col([4, 6, 0, 1]), values)
 
 
+@jit
+def scatter_write_kernel(base, index, values, skip=True):
+    """out = base; out[index[p]] = values[p] by one plain vector-offset DMA write (dma_copy), with oob_mode.skip
+    when ``skip``."""
+    p, n = values.shape
+    out = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    b = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=b, src=base)
+    nisa.dma_copy(dst=out, src=b)
+    idx = nl.ndarray((p, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=index)
+    v = nl.ndarray((p, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=v, src=values)
+    dst = out.ap(pattern=[[n, p], [1, n]], offset=0, vector_offset=idx, indirect_dim=0)
+    if skip:
+        nisa.dma_copy(dst=dst, src=v, oob_mode=nisa.oob_mode.skip)
+    else:
+        nisa.dma_copy(dst=dst, src=v)
+    return out
+
+
+@jit
+def scalar_skip_kernel(table, first, second):
+    """row := table[first]; then a second scalar-offset DMA of table[second] into the same row with oob_mode.skip
+    (an out-of-range ``second`` moves nothing: the row keeps table[first])."""
+    n = table.shape[1]
+    row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
+    for which in (first, second):
+        i = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=i, src=which)
+        nisa.dma_copy(dst=row, src=table.ap(pattern=[[n, 1], [1, n]], offset=0, scalar_offset=i, indirect_dim=0),
+                      oob_mode=nisa.oob_mode.skip)
+    out = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=row)
+    return out
+
+
+def test_dma_copy_with_oob_skip_moves_only_in_range_rows():
+    """dma_copy(oob_mode=oob_mode.skip) (aws-neuron-sdk @81ce03ae nisa.dma_copy: "skip the DMA transfer for a given
+    dynamic address or index when it is out of bound"): a vector-offset scatter writes exactly its in-range rows and
+    moves no byte for the others; a scalar-offset load out of range leaves its destination as it was; the default
+    mode still refuses an out-of-range index, and skip on a DMA without a dynamic address is refused."""
+    base = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    values = np.arange(16, dtype=np.float32).reshape(4, 4) + 100
+    out, stats = run(scatter_write_kernel, base, col([4, 6, 0, 9]), values)
+    want = base.copy()
+    want[[4, 0]] = values[[0, 2]]
+    assert np.array_equal(out, want)
+    _, full = run(scatter_write_kernel, base, col([4, 5, 0, 1]), values)
+    assert full.hbm_write_bytes - stats.hbm_write_bytes == 2 * 4 * 4  # two skipped rows: never written
+    assert stats.indirect_dmas[("vector", 4)] == 1
+    with pytest.raises(NkiValidationError, match="out of range"):
+        run(scatter_write_kernel, base, col([4, 6, 0, 1]), values, skip=False)
+    with pytest.raises(NkiValidationError, match="twice in one DMA"):
+        run(scatter_write_kernel, base, col([4, 9, 4, 7]), values)
+    kept, st_kept = run(scalar_skip_kernel, TABLE, np.array([[2]], np.int32), np.array([[8]], np.int32))
+    assert np.array_equal(kept, TABLE[2:3])
+    moved, st_moved = run(scalar_skip_kernel, TABLE, np.array([[2]], np.int32), np.array([[5]], np.int32))
+    assert np.array_equal(moved, TABLE[5:6])
+    assert st_moved.hbm_read_bytes - st_kept.hbm_read_bytes == COLS * 4  # the skipped load read nothing
+    assert st_moved.dma_count == st_kept.dma_count  # ... but was still issued
+
+    @jit
+    def static_skip(x):
+        t = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x, oob_mode=nisa.oob_mode.skip)
+        return x
+
+    with pytest.raises(NkiValidationError, match="without a dynamic address"):
+        run(static_skip, TABLE)
+
+
+def test_a_never_written_skip_destination_stays_unreadable():
+    """A gather whose every row is skipped writes nothing: reading that SBUF tile afterwards is refused."""
+    @jit
+    def kernel(table, index):
+        idx = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=idx, src=index)
+        rows = nl.ndarray((2, table.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows, src=table.ap(pattern=[[table.shape[1], 2], [1, table.shape[1]]], offset=0,
+                                             vector_offset=idx, indirect_dim=0), oob_mode=nisa.oob_mode.skip)
+        out = nl.ndarray((2, table.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=rows)
+        return out
+
+    assert np.array_equal(run(kernel, TABLE, col([3, 1]))[0], TABLE[[3, 1]])
+    with pytest.raises(NkiValidationError, match="never-written"):
+        run(kernel, TABLE, col([8, 1]))
+
+
 @pytest.mark.parametrize("scenario", sorted(calibration.SCENARIOS))
 def test_the_cost_model_charges_descriptors_register_loads_and_loop_trips(scenario):
     sc = calibration.SCENARIOS[scenario]

@@ -245,11 +245,21 @@ def test_rejects_reading_never_written_memory():
 
     _expect(kernel, r"never-written memory: .* element \(0, 4\)")
 
-    @jit
-    def unwritten_output(a, b):
-        return nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
 
-    _expect(unwritten_output, "kernel output")
+
+def test_a_kernel_outputs_never_written_elements_as_garbage():
+    """Uninitialised device memory is garbage: a returned HBM output's never-written elements are bytes 0xFF (NaN in
+    every float dtype), so a host step that reads them unmasked computes NaN (routing.combine's masks)."""
+    @jit
+    def half_written(a, b):
+        out = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=t, value=1.5)
+        nisa.dma_copy(dst=out[0:2, :], src=t)
+        return out
+
+    out, _ = run(half_written, None, None)
+    assert np.array_equal(out[0:2], np.full((2, 4), 1.5, np.float32)) and np.isnan(out[2:]).all()
 
 
 def test_rejects_two_psum_inputs_and_out_of_bounds_slices():

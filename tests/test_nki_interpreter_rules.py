@@ -62,12 +62,18 @@ def test_nc_matmul_refuses_unimplemented_arguments(extra):
     legal_then_refused(matmul(), matmul(**extra), f"nc_matmul\\({next(iter(extra))}=.*not implemented by the interpreter")
 
 
-@pytest.mark.parametrize("arg", ["dst_rmw_op", "oob_mode", "dge_mode"])
-def test_dma_copy_refuses_unimplemented_arguments(arg):
-    def copy(**extra):
-        return lambda a, b, col, st, mv, ps, pt: nisa.dma_copy(dst=a, src=b, **extra)
+def _copy(**extra):
+    return lambda a, b, col, st, mv, ps, pt: nisa.dma_copy(dst=a, src=b, **extra)
 
-    legal_then_refused(copy(), copy(**{arg: nl.add}), f"dma_copy\\({arg}=.*not implemented")
+
+@pytest.mark.parametrize("arg", ["dst_rmw_op", "dge_mode"])
+def test_dma_copy_refuses_unimplemented_arguments(arg):
+    legal_then_refused(_copy(), _copy(**{arg: nl.add}), f"dma_copy\\({arg}=.*not implemented")
+
+
+def test_dma_copy_refuses_an_unknown_oob_mode():
+    """oob_mode is modelled (error / skip, tests/test_nki_dynamic_rules.py); any other value is refused."""
+    legal_then_refused(_copy(oob_mode=nisa.oob_mode.error), _copy(oob_mode=nl.add), "dma_copy\\(oob_mode=.*use nisa.oob_mode")
 
 
 @pytest.mark.parametrize("arg", ["reduce_op", "reduce_res", "reduce_cmd"])

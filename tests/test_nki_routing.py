@@ -51,6 +51,27 @@ def test_the_schedule_matches_a_python_construction(tokens, top_k, experts, bloc
         pads = [t for t in ids if t >= tokens]
         assert len(set(pads)) == len(pads) and all(tokens <= t < tokens + block for t in pads)  # distinct zero rows
         assert all(w == 0 for t, w in zip(ids, weights) if t >= tokens)
+    # where each row is stored: a token's first row in its program's blocks (block order, then row order) is a
+    # plain write, its later rows read-modify-write adds, everything else (padding) neither - checked by a walk
+    stored = [set() for _ in range(programs)]
+    for p in range(programs):
+        for i in range(first[p], first[p] + count[p]):
+            row_ids = s.token_position_to_id[i].tolist()
+            writes, adds = s.position_store[i, :, 0].tolist(), s.position_store[i, :, 1].tolist()
+            assert len({t for t in row_ids if t < tokens}) == len([t for t in row_ids if t < tokens])  # one row a token
+            for r, t in enumerate(row_ids):
+                if t >= tokens:  # padding: past the slab in both columns
+                    assert writes[r] >= tokens and adds[r] >= tokens
+                elif t in stored[p]:
+                    assert (writes[r] >= tokens, adds[r]) == (True, t)
+                else:
+                    assert (writes[r], adds[r] >= tokens) == (t, True)
+                    stored[p].add(t)
+            want_load = experts if i > first[p] and int(s.block_to_expert[i - 1, 0]) == int(s.block_to_expert[i, 0]) \
+                else int(s.block_to_expert[i, 0])
+            assert int(s.block_load_expert[i, 0]) == want_load
+    assert s.program_tokens.shape == (programs, tokens)
+    assert [set(torch.nonzero(s.program_tokens[p]).flatten().tolist()) for p in range(programs)] == stored
 
 
 def test_the_capacity_holds_every_routing():
@@ -101,7 +122,7 @@ def test_one_specialisation_per_bucket_over_many_routings(tokens, inter):
         x = torch.randn(tokens, 256)
         pad = bucket - tokens  # the caller pads to the bucket; padded tokens carry no route
         x, tw, ti = host.pad_rows(x, bucket), host.pad_rows(tw, bucket), torch.cat([ti, ti.new_full((pad, 2), -1)])
-        kernel, tensors, consts = host_routed.block_call(x, tw, ti, kw, programs=2)
+        kernel, tensors, consts, _stored = host_routed.block_call(x, tw, ti, kw, programs=2)
         host_routed.check_block_args(tensors, consts, kw.mode, 2, bucket, 2)
         keys.add(host_routed.specialisation(kernel, tensors, consts))
         split = tokens <= host_routed.SELECTIVE_MAX_TOKENS and inter == 1024
@@ -118,7 +139,7 @@ def test_the_block_launch_contract_is_checked_on_the_host():
     ckpt = kernel_check.checkpoint_experts(4, 256, 128, seed=0)
     kw = host.to_kernel_layout(*kernel_check.repacked(ckpt, "pow2")[:4], 128, 128, "e4m3")
     tw, ti = kernel_check.routing(32, 4, 2, seed=0)
-    kernel, tensors, consts = host_routed.block_call(torch.randn(32, 256), tw, ti, kw, programs=2)
+    kernel, tensors, consts, _stored = host_routed.block_call(torch.randn(32, 256), tw, ti, kw, programs=2)
     host_routed.check_block_args(tensors, consts, "pow2", 2, 32, 2)
     bad = list(tensors)
     bad[5] = tensors[5][:-1]

@@ -56,5 +56,8 @@ def render(results_dir: Path) -> str:
             f"{m['cpu_model']} (load {m['loadavg_1_5_15'][0]:.1f}); the dense kernel's counts are one 256-token call times "
             "the number of calls. Host steps (`bench_grouped_prefill.host_steps`): what each kernel leaves outside it, "
             "priced as the device DMA traffic it needs at least (grouped: the gather of the routed bf16 rows into tiles "
-            "and the combine of each token's fp32 rows; dense and blocks at LNC 2: the sum of the programs' partials), "
-            "split over the LNC cores, added after the kernel.\n")
+            "and the combine of each token's fp32 rows; dense at LNC 2: the sum of the programs' partials; blocks at "
+            "LNC 2: the masked sum of the programs' slabs - the rows each program stored read, the output written once, "
+            "the grouped combine's rule), split over the LNC cores, added after the kernel; each ends at the fp32 routed "
+            "sum `run_routed_experts` returns (the callers' cast to the model's dtype is the same for every kernel and "
+            "charged to none).\n")

@@ -19,6 +19,9 @@ the same assumed values in both scenarios, with their sources in each scenario's
   index then weight loads, plus ~0.8 us of synchronisation) - a device measurement.
 
 Register loads and loop overhead stall every engine (serial ``control_s``); descriptor generation occupies GpSimd.
+A DMA whose rows (or whole transfer) ``oob_mode.skip`` drops moves no bytes for them but still pays its fixed cost,
+its software-DGE time and every row's descriptor (assumed: the index is resolved before the bounds check; the API
+says only that the transfer is skipped).
 """
 
 from __future__ import annotations

@@ -23,7 +23,11 @@ What the interpreter enforces (each with a test in tests/test_nki_dynamic_rules.
   instruction (``unique_indices=True`` is the only supported mode); ``oob_mode=oob_mode.skip`` (the API: "silently
   skips any operations involving out-of-bounds indices"; ``dma_copy``'s text: it skips "the DMA transfer" of such an
   index) leaves the rows whose index is outside the indexed dimension untouched and moves no bytes for them, every
-  in-range row still checked and added; any other mode value is refused.
+  in-range row still checked and added; any other mode value is refused;
+* ``dma_copy(..., oob_mode=oob_mode.skip)`` (the API: "skip the DMA transfer for a given dynamic address or index
+  when it is out of bound") on a scalar- or vector-offset access pattern: a vector offset's out-of-range rows, or a
+  scalar offset's whole transfer when it is out of range, move nothing and leave their destination as it was (an
+  SBUF destination row never written stays unreadable); on a static DMA (no dynamic address) it is refused.
 
 Counters (``Stats``): ``indirect_dmas[(kind, descriptors)]``, ``register_loads``, ``dynamic_loops``,
 ``dynamic_iterations`` - priced by :mod:`.cost_dynamic`.
@@ -187,14 +191,16 @@ class AccessPattern:
 
     def addresses(self, skip: bool = False) -> np.ndarray:
         """Flat element index into the base tensor for every element of the pattern (checked in range).
-        ``skip`` (vector offsets only, ``oob_mode.skip``): the partition rows whose index lies outside the indexed
-        dimension are dropped (:meth:`kept_rows`), not refused."""
+        ``skip`` (``oob_mode.skip``): a vector offset's partition rows whose index lies outside the indexed
+        dimension are dropped (:meth:`kept_rows`), a scalar offset outside it drops every element; not refused."""
         dim_stride = int(np.prod(self.base.shape[self.indirect_dim + 1:], dtype=np.int64))
         dim_size = self.base.shape[self.indirect_dim]
         grids = np.meshgrid(*[np.arange(c, dtype=np.int64) * s for s, c in self.pattern], indexing="ij")
         addr = self.offset + sum(grids)
         if self.kind == "scalar":
             v = _offset_value(self.scalar_offset, f".ap scalar_offset of {self.name!r}")
+            if skip and not 0 <= v < dim_size:  # oob_mode.skip: the whole transfer is skipped
+                return addr.reshape(-1)[:0]
             _check_index(np.array([v]), dim_size, self.name, "scalar_offset")
             addr = addr + v * dim_stride
         elif self.kind == "vector":
@@ -220,9 +226,14 @@ class AccessPattern:
         return addr
 
     def kept_rows(self) -> np.ndarray:
-        """[P] bool: the vector-offset rows whose index lies inside the indexed dimension (``oob_mode.skip``)."""
+        """[P] bool: the partition rows an ``oob_mode.skip`` DMA moves - a vector offset's rows whose index lies
+        inside the indexed dimension; a scalar offset's every row or none."""
+        size = self.base.shape[self.indirect_dim]
+        if self.kind == "scalar":
+            v = _offset_value(self.scalar_offset, f".ap scalar_offset of {self.name!r}")
+            return np.full(self.shape[0], 0 <= v < size, dtype=bool)
         idx = read(self.vector_offset, ".ap vector_offset").reshape(-1).astype(np.int64)
-        return (idx >= 0) & (idx < self.base.shape[self.indirect_dim])
+        return (idx >= 0) & (idx < size)
 
     def run_bytes(self) -> int:
         """Bytes of the innermost contiguous run per descriptor."""

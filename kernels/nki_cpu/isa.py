@@ -14,6 +14,7 @@ from . import dtypes as dt
 from . import language as nl
 from .dynamic import (AccessPattern, count_indirect, dma_compute, gather, oob_mode, register_alloc,  # noqa: F401
                       register_load, register_move, scatter)
+from .dynamic import oob_mode as dynamic_oob
 from .machine import PMAX, PSUM_BANK_BYTES, NkiValidationError, Tensor, current, hbm_run_bytes, read, write
 
 
@@ -84,11 +85,13 @@ def _not_implemented(instruction: str, **given) -> None:
 
 def dma_copy(dst: Tensor, src: Tensor, dst_rmw_op=None, oob_mode=None, dge_mode=None, name=None) -> None:
     """Copy ``src`` to ``dst`` (HBM <-> SBUF, or on-chip). Shapes and dtypes must match: reinterpret
-    bytes with ``.view(dtype)``; DMA does not convert. Read-modify-write, out-of-bounds and DGE modes are
-    not modelled (refused when set)."""
-    _not_implemented("dma_copy", dst_rmw_op=dst_rmw_op, oob_mode=oob_mode, dge_mode=dge_mode)
+    bytes with ``.view(dtype)``; DMA does not convert. ``oob_mode`` (error, the default, or skip) applies to
+    access-pattern DMAs with a dynamic address (dynamic.py); read-modify-write and DGE modes are not modelled
+    (refused when set)."""
+    _not_implemented("dma_copy", dst_rmw_op=dst_rmw_op, dge_mode=dge_mode)
+    skip = _oob_skip(oob_mode, dst, src)
     if isinstance(src, AccessPattern) or isinstance(dst, AccessPattern):
-        return _dma_pattern(dst, src)
+        return _dma_pattern(dst, src, skip)
     for t, what in ((dst, "dma_copy dst"), (src, "dma_copy src")):
         if not isinstance(t, Tensor):
             raise NkiValidationError(f"{what} must be an NKI tensor")
@@ -115,8 +118,21 @@ def dma_copy(dst: Tensor, src: Tensor, dst_rmw_op=None, oob_mode=None, dge_mode=
         stats.dma_runs[hbm_run_bytes(dst)] += nbytes
 
 
-def _dma_pattern(dst, src) -> None:
-    """dma_copy with an explicit (possibly indirect) access pattern on its HBM side (dynamic.py)."""
+def _oob_skip(mode, dst, src) -> bool:
+    """dma_copy's ``oob_mode``: None / error (False) or skip (True), the latter only where an address is dynamic."""
+    if mode is None or mode is dynamic_oob.error:
+        return False
+    if mode is not dynamic_oob.skip:
+        raise NkiValidationError(f"dma_copy(oob_mode={mode!r}): use nisa.oob_mode.error or nisa.oob_mode.skip")
+    if not any(isinstance(t, AccessPattern) and t.kind != "static" for t in (dst, src)):
+        raise NkiValidationError("dma_copy(oob_mode=oob_mode.skip) on a DMA without a dynamic address (scalar_offset or "
+                                 "vector_offset .ap): nothing can be out of bounds at run time; drop oob_mode")
+    return True
+
+
+def _dma_pattern(dst, src, skip: bool = False) -> None:
+    """dma_copy with an explicit (possibly indirect) access pattern on its HBM side (dynamic.py); ``skip``
+    (``oob_mode.skip``): the rows whose dynamic address is out of bounds move nothing."""
     for t, what in ((dst, "dma_copy dst"), (src, "dma_copy src")):
         if not isinstance(t, (Tensor, AccessPattern)):
             raise NkiValidationError(f"{what} must be an NKI tensor or access pattern")
@@ -128,18 +144,20 @@ def _dma_pattern(dst, src) -> None:
         raise NkiValidationError(f"dma_copy dtype mismatch: src {src.name!r} is {src.dtype}, dst {dst.name!r} is {dst.dtype}")
     if tuple(dst.shape) != tuple(src.shape):
         raise NkiValidationError(f"dma_copy: shapes differ, {dst.name!r} {tuple(dst.shape)} vs {src.name!r} {tuple(src.shape)}")
-    nbytes = int(np.prod(src.shape)) * src.dtype.itemsize
+    pattern = src if isinstance(src, AccessPattern) else dst
+    rows = pattern.kept_rows() if skip else np.ones(pattern.shape[0], dtype=bool)
+    nbytes = int(np.prod(src.shape[1:], dtype=np.int64)) * int(rows.sum()) * src.dtype.itemsize
     if isinstance(src, AccessPattern):
-        values, written = gather(src)
+        values, written = gather(src, skip)
         if not written.all():
             raise NkiValidationError(f"dma_copy src reads never-written elements of {src.name!r} through its access pattern")
-        dst.data[...] = values
-        dst.written[...] = True
+        dst.data[rows] = values.reshape((int(rows.sum()),) + tuple(dst.shape[1:]))
+        dst.written[rows] = True
         count_indirect(src, nbytes, read_side=True)
     else:
-        if not src.written.all():
-            read(src, "dma_copy src")
-        scatter(dst, src.data)
+        if not src.written[rows].all():
+            raise NkiValidationError(f"dma_copy src {src.name!r} has never-written elements in the rows it scatters")
+        scatter(dst, src.data[rows], skip)
         count_indirect(dst, nbytes, read_side=False)
     current().stats.dma_count += 1
 

@@ -2,6 +2,10 @@
 returns its outputs with the :class:`~.machine.Stats` of the run, :func:`simulate` mirrors
 ``nki.simulate(kernel)(*arrays)``.
 
+Outputs: an HBM output element the kernel never wrote is returned as bytes ``0xFF`` (NaN in every float dtype,
+-1 / the maximum in integer ones): uninitialised device memory is garbage, so a host step that reads it must
+mask it (``routing.combine``); reading never-written memory inside the kernel stays an error.
+
 SPMD grids: ``kernel[n](*arrays)`` / :func:`launch` run ``n`` programs (one per logical core under LNC=n),
 each with its own SBUF/PSUM and counters, sharing HBM; ``nl.program_id(0)`` / ``nl.num_programs(0)`` tell
 a program where it is. Given the runtime's LNC, a grid that disagrees with it is refused, as the Neuron
@@ -19,6 +23,9 @@ import torch
 from . import machine
 from .machine import Machine, NkiValidationError, Stats, Tensor
 from .subset import check_traced_subset
+
+
+UNWRITTEN_BYTE = 0xFF  # what a kernel output's never-written elements hold when returned (NaN in fp32/bf16/fp8)
 
 
 class Kernel:
@@ -66,9 +73,10 @@ def _as_output(value, what: str):
     if isinstance(value, Tensor):
         if value.buffer != "hbm":
             raise NkiValidationError(f"kernel returned on-chip tile {value.name!r} ({what}); return HBM tensors (nl.shared_hbm)")
-        if not value.written.all():
-            machine.read(value, f"kernel output {what}")
-        return value.data.copy()
+        out = value.data.copy()
+        if not value.written.all():  # uninitialised HBM is garbage on the device: here every such byte is 0xFF
+            out.view(np.uint8).reshape(out.shape + (-1,))[~value.written] = UNWRITTEN_BYTE  # NaN in every float dtype
+        return out
     if isinstance(value, (tuple, list)):
         return type(value)(_as_output(v, f"{what}[{i}]") for i, v in enumerate(value))
     return value

@@ -20,11 +20,13 @@ are made by ``kernels/routing.py``'s torch ops inside the traced forward. A new 
 with its output contract and :func:`backend` makes its caller.
 
     moe_w8_blocks_pow2 /        hidden [T + B, H] bf16, the four weight tensors, token_position_to_id [N, B] i32,
-    moe_w8_blocks_output_block  position_weight [N, B] f32, block_to_expert / block_new_expert [N, 1] i32,
-                                block_range [lnc, 2] i32; constants swiglu_limit (+ vector_blocks for pow2),
-                                split_inter (0/1: host_routed.split_inter of the bucket, LNC and I - selective
-                                decode at LNC 2 splits each block's I across the programs); output [lnc, T, H]
-                                fp32 (routing.combine: a partial sum per program either way)
+    moe_w8_blocks_output_block  position_weight [N, B] f32, position_store [N, B, 2] i32, block_to_expert /
+                                block_load_expert [N, 1] i32, block_range [lnc, 2] i32; constants swiglu_limit
+                                (+ vector_blocks for pow2), split_inter (0/1: host_routed.split_inter of the
+                                bucket, LNC and I - selective decode at LNC 2 splits each block's I across the
+                                programs); output [lnc, T, H] fp32, a partial sum per program either way: LNC 1
+                                zero-filled, LNC > 1 only the rows its program stores (routing.combine with
+                                block_call's program_tokens selects them)
 
 Where the kernels run:
 
@@ -280,10 +282,10 @@ def run_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
         return partial.float().sum(dim=0)[:tokens]  # one partial sum per program (logical core)
     rows = host.bucket_for(tokens) if which == "selective" else tokens
     xp, wp, ip = _pad_routing(x, topk_weights, topk_ids, rows)
-    kernel, tensors, consts = host_routed.block_call(xp, wp, ip, kw, lnc, limit)
+    kernel, tensors, consts, program_tokens = host_routed.block_call(xp, wp, ip, kw, lnc, limit)
     host_routed.check_block_args(tensors, consts, kw.mode, lnc, rows, topk_ids.shape[1])
     out = launch(kernel, lnc, tensors, consts, stats, where)
-    return routing.combine(out.float(), rows)[:tokens]
+    return routing.combine(out.float(), rows, program_tokens)[:tokens]
 
 
 def run_grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights, *,
