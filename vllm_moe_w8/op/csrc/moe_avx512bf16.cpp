@@ -24,8 +24,9 @@
 //
 // Algorithm: the same two phases and work split as the AVX2 variant (moe_common.h). An expert routed to at
 // most kFusedTokens pairs decodes each 64 codes into registers and uses them at once for all of its pairs
-// (reads 1 byte per weight: the memory-bound regime); more pairs: four rows at a time are decoded into an
-// L1-resident bf16 panel that a 4 x 3 register tile of (row, pair) dot products reuses (prefill).
+// (reads 1 byte per weight: the memory-bound regime); an expert with one pair (nearly all at T <= 8) has its rows
+// decoded four at a time from four sequential streams (fused_tiles); more pairs: four rows at a time are decoded
+// into an L1-resident bf16 panel that a 4 x 3 register tile of (row, pair) dot products reuses (prefill).
 
 #include <immintrin.h>
 
