@@ -24,8 +24,9 @@
 //
 // Algorithm: the same two phases and work split as the AVX2 variant (moe_common.h). An expert routed to at
 // most kFusedTokens pairs decodes each 64 codes into registers and uses them at once for all of its pairs
-// (reads 1 byte per weight: the memory-bound regime); more pairs: four rows at a time are decoded into an
-// L1-resident bf16 panel that a 4 x 3 register tile of (row, pair) dot products reuses (prefill).
+// (reads 1 byte per weight: the memory-bound regime); an expert with one pair (nearly all at T <= 8) has its rows
+// decoded four at a time from four sequential streams (fused_tiles); more pairs: four rows at a time are decoded
+// into an L1-resident bf16 panel that a 4 x 3 register tile of (row, pair) dot products reuses (prefill).
 
 #include <immintrin.h>
 
@@ -55,6 +56,10 @@ constexpr int kTokenBlock = 32;   // pairs whose activations stay in L2 while a 
 constexpr int kFusedTokens = 3;   // at most this many pairs: decode into registers, no panel (measured: the panel
                                   // path is 5-9 % faster from 4 pairs on, about equal at 2-3)
 constexpr int kPrefetch = 512;    // bytes of codes ahead (fused path)
+constexpr int kRowTile = 4;       // rows of lone pairs decoded together (fused path): measured on L1-resident codes,
+                                  // 1.2-1.5x one row's speed; two rows gain little, eight spill registers
+constexpr int kDecodeChunk1 = 512;  // most rows per phase-1 / phase-2 work item when decoding (see moe_w8_forward)
+constexpr int kDecodeChunk2 = 256;
 constexpr int kSerialSplitTokens = 64;  // up to this many tokens, x is split into planes before the parallel region
 
 inline int64_t padded(int64_t k) { return (k + kGroup - 1) / kGroup * kGroup; }
@@ -176,6 +181,78 @@ inline void fused_row_dot(const Matrix& m, int64_t n, const Acts& xs, const Tabl
   }
 #pragma GCC unroll 8
   for (int j = 0; j < M; ++j) res[j] = _mm512_reduce_add_ps(total[j]);
+}
+
+// One row of a lone pair's dot product on the register path: its codes, its scale row, its pair's first plane.
+struct RowTask {
+  const uint8_t* codes;
+  const float* scales;
+  const uint16_t* x;
+};
+
+// res[r] = dot(rows[r]) for R rows of k codes (scale tiles of bk columns), P planes each; every 64 codes decoded in
+// registers once. R independent sums keep more decode and vdpbf16ps work in flight than one row's chains do.
+template <int R, int P>
+MOE_NOINLINE inline void fused_rows(const RowTask* rows, int64_t k_len, int64_t bk, int64_t plane_stride,
+                                    const Tables& t, float* res) {
+  __m512 total[R], part_a[R], part_b[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t kb = 0, b = 0; kb < k_len; kb += bk, ++b) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) part_a[r] = part_b[r] = _mm512_setzero_ps();
+    const int64_t kend = std::min(kb + bk, k_len);
+    for (int64_t k = kb; k < kend; k += kGroup) {
+      const __mmask64 mask = group_mask(kend - k);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[r].codes + k + kPrefetch), _MM_HINT_T0);
+        __m512i a, bv;
+        decode64(rows[r].codes + k, mask, t, a, bv);
+#pragma GCC unroll 3
+        for (int p = 0; p < P; ++p) {
+          part_a[r] = dot(part_a[r], a, rows[r].x + p * plane_stride + k);
+          part_b[r] = dot(part_b[r], bv, rows[r].x + p * plane_stride + k + 32);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm512_fmadd_ps(_mm512_add_ps(part_a[r], part_b[r]), _mm512_set1_ps(rows[r].scales[b]), total[r]);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) res[r] = _mm512_reduce_add_ps(total[r]);
+}
+
+template <int P, class Task, class Emit>
+void fused_tiles_p(int64_t total, int64_t k_len, int64_t bk, int64_t plane_stride, const Tables& t, Task task, Emit emit) {
+  RowTask rows[kRowTile];
+  float res[kRowTile];
+  for (int64_t f0 = 0; f0 < total; f0 += kRowTile) {
+    const int count = static_cast<int>(std::min<int64_t>(kRowTile, total - f0));
+    for (int r = 0; r < count; ++r) rows[r] = task(f0 + r);
+    switch (count) {
+      case 1: fused_rows<1, P>(rows, k_len, bk, plane_stride, t, res); break;
+      case 2: fused_rows<2, P>(rows, k_len, bk, plane_stride, t, res); break;
+      case 3: fused_rows<3, P>(rows, k_len, bk, plane_stride, t, res); break;
+      default: fused_rows<4, P>(rows, k_len, bk, plane_stride, t, res); break;
+    }
+    for (int r = 0; r < count; ++r) emit(f0 + r, res[r]);
+  }
+}
+
+// Rows of lone pairs, kRowTile at a time: task(f) is row f's RowTask, emit(f, value) takes its dot product, for f
+// in [0, total). Callers order the rows so that each tile's rows come from different streams of codes (other
+// matrices, or rows far apart) and each stream continues in the next tile: the hardware prefetcher follows
+// sequential streams, and four adjacent rows per tile (a new stream for three of them every tile) ran at 0.6x.
+template <class Task, class Emit>
+void fused_tiles(int64_t total, int64_t k_len, int64_t bk, int planes, int64_t plane_stride, const Tables& t, Task task,
+                 Emit emit) {
+  switch (planes) {
+    case 1: fused_tiles_p<1>(total, k_len, bk, plane_stride, t, task, emit); break;
+    case 2: fused_tiles_p<2>(total, k_len, bk, plane_stride, t, task, emit); break;
+    default: fused_tiles_p<3>(total, k_len, bk, plane_stride, t, task, emit); break;
+  }
 }
 
 template <int P>
@@ -318,10 +395,13 @@ int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_
   // Activation planes: x per token [T][x_planes][Hp], h per pair [P][h_planes][Ip] (each row written once).
   std::unique_ptr<uint16_t[]> xq(new uint16_t[T * x_planes * Hp]);
   std::unique_ptr<uint16_t[]> hq(new uint16_t[P * h_planes * Ip]);
-  const int64_t chunk1 = std::max<int64_t>(kGroup, phase1_chunk(n_active, I, nthreads, kGroup));  // whole groups
+  // Decode (few pairs per expert): longer work items, i.e. longer sequential streams of codes per item (measured
+  // 1.05-1.10x at T = 1-8 on one thread); prefill keeps the shorter ones its panels were tuned with.
+  const bool decode = P <= kFusedTokens * n_active;
+  const int64_t chunk1 = std::max<int64_t>(kGroup, phase1_chunk(n_active, I, nthreads, kGroup, decode ? kDecodeChunk1 : 64));  // whole groups
   const int64_t chunks1 = (I + chunk1 - 1) / chunk1;
   const int64_t items1 = n_active * chunks1;
-  const int64_t chunk2 = phase2_chunk(H, nthreads, kPanelRows * 2);
+  const int64_t chunk2 = phase2_chunk(H, nthreads, kPanelRows * 2, decode ? kDecodeChunk2 : 64);
   const int64_t items2 = (H + chunk2 - 1) / chunk2;
   const int threads = threads_for(n_active, H, I, nthreads);
 
@@ -356,8 +436,19 @@ int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_
     const Matrix u{w13 + (e * 2 * I + I) * H, w13_s + (e * 2 * grid.gI + grid.gI) * grid.gH, H, bn, bk, grid.gH};
     float* gp = s.gate.data();
     float* upp = s.up.data();
-    matmul_rows(g, i0, i1, xs, cnt, tables, s.panel.get(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
-    matmul_rows(u, i0, i1, xs, cnt, tables, s.panel.get(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
+    if (cnt == 1) {  // tiles of gate row i, up row i, gate row i + ni/2, up row i + ni/2: four sequential streams
+      const int64_t half = ni / 2;  // ni is a multiple of 16
+      auto row = [&](int64_t f) { return i0 + f / 4 + (f % 4 >= 2 ? half : 0); };
+      fused_tiles(2 * ni, H, g.block(), x_planes, Hp, tables,
+                  [&](int64_t f) {
+                    const Matrix& m = f % 2 ? u : g;
+                    return RowTask{m.codes + row(f) * H, m.scales + (row(f) / bn) * grid.gH, s.rows[0]};
+                  },
+                  [&](int64_t f, float v) { (f % 2 ? upp : gp)[row(f) - i0] = v; });
+    } else {
+      matmul_rows(g, i0, i1, xs, cnt, tables, s.panel.get(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
+      matmul_rows(u, i0, i1, xs, cnt, tables, s.panel.get(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
+    }
     float* tmp = s.tmp.data();
     for (int64_t j = 0; j < cnt; ++j) {
       for (int64_t i = 0; i < ni; ++i) tmp[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
@@ -365,12 +456,31 @@ int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_
       for (int64_t k = 0; k < ni; k += kGroup) split_group(tmp + k, h_planes, hq.get() + (p0 + j) * h_planes * Ip + i0 + k, Ip);
     }
   };
-  // Phase 2: out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
+  // Phase 2: out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n. Experts with one pair: tiles of
+  // row n of kRowTile such experts (one sequential stream each), then row n + 1; the others one by one.
+  std::vector<int64_t> lone;
+  for (int64_t a = 0; a < n_active; ++a)
+    if (routing.offsets[a + 1] - routing.offsets[a] == 1) lone.push_back(a);
   auto phase2 = [&](int64_t item, Scratch& s) {
     const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
+    for (size_t g0 = 0; g0 < lone.size(); g0 += kRowTile) {
+      const int64_t members = std::min<int64_t>(kRowTile, lone.size() - g0);
+      auto row = [&](int64_t f) { return n0 + f / members; };
+      auto pair = [&](int64_t f) { return routing.offsets[lone[g0 + f % members]]; };
+      fused_tiles((n1 - n0) * members, I, bk ? bk : I, h_planes, Ip, tables,
+                  [&](int64_t f) {
+                    const int64_t e = routing.experts[lone[g0 + f % members]];
+                    return RowTask{w2 + (e * H + row(f)) * I, w2_s + (e * grid.gH2 + row(f) / bn) * grid.gI2,
+                                   hq.get() + pair(f) * h_planes * Ip};
+                  },
+                  [&](int64_t f, float v) {
+                    out[routing.tokens[pair(f)] * H + row(f)] += routing.weights[pair(f)] * v;
+                  });
+    }
     for (int64_t a = 0; a < n_active; ++a) {
       const int64_t e = routing.experts[a];
       const int64_t p0 = routing.offsets[a], cnt = routing.offsets[a + 1] - p0;
+      if (cnt == 1) continue;
       s.rows.resize(cnt);
       for (int64_t j = 0; j < cnt; ++j) s.rows[j] = hq.get() + (p0 + j) * h_planes * Ip;
       const Acts hs{s.rows.data(), h_planes, Ip};

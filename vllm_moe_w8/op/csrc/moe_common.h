@@ -65,15 +65,16 @@ struct Grid {
 };
 
 // Rows per phase-1 work item (expert, chunk of intermediate rows): enough items to keep every thread busy.
-inline int64_t phase1_chunk(int64_t n_active, int64_t I, int nthreads, int64_t min_chunk) {
-  int64_t chunk = 64;
+// max_chunk: the avx512bf16 variant's register path asks for longer items (longer sequential streams of codes).
+inline int64_t phase1_chunk(int64_t n_active, int64_t I, int nthreads, int64_t min_chunk, int64_t max_chunk = 64) {
+  int64_t chunk = max_chunk;
   while (chunk > min_chunk && n_active * ((I + chunk - 1) / chunk) < 4 * nthreads) chunk /= 2;
   return chunk;
 }
 
 // Rows of W2 (output columns) per phase-2 work item.
-inline int64_t phase2_chunk(int64_t H, int nthreads, int64_t min_chunk) {
-  int64_t chunk = 64;
+inline int64_t phase2_chunk(int64_t H, int nthreads, int64_t min_chunk, int64_t max_chunk = 64) {
+  int64_t chunk = max_chunk;
   while (chunk > min_chunk && (H + chunk - 1) / chunk < 8 * nthreads) chunk /= 2;
   return chunk;
 }
