@@ -55,10 +55,9 @@ def row_sum_loop_kernel(table, order, count):
     return out
 
 
-@jit
-def scatter_add_kernel(base, index, values, skip=False):
-    """out = base; out[index[p]] += values[p] by DMA read-modify-write (dma_compute); ``skip``: with
-    oob_mode.skip (rows whose index is outside ``base`` are left out)."""
+def _scatter_operands(base, index, values):
+    """Inside a kernel: out (HBM) = base, the values in SBUF, and out's rows at index[p] as a vector-offset
+    access pattern (the destination of both scatter kernels)."""
     p, n = values.shape
     out = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.shared_hbm)
     b = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.sbuf)
@@ -69,6 +68,14 @@ def scatter_add_kernel(base, index, values, skip=False):
     v = nl.ndarray((p, n), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=v, src=values)
     dst = out.ap(pattern=[[n, p], [1, n]], offset=0, vector_offset=idx, indirect_dim=0)
+    return out, dst, v
+
+
+@jit
+def scatter_add_kernel(base, index, values, skip=False):
+    """out = base; out[index[p]] += values[p] by DMA read-modify-write (dma_compute); ``skip``: with
+    oob_mode.skip (rows whose index is outside ``base`` are left out)."""
+    out, dst, v = _scatter_operands(base, index, values)
     if skip:
         nisa.dma_compute(dst=dst, srcs=[dst, v], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
     else:
@@ -243,16 +250,7 @@ def test_dma_read_modify_write_with_oob_skip_leaves_out_of_range_rows_and_their_
 def scatter_write_kernel(base, index, values, skip=True):
     """out = base; out[index[p]] = values[p] by one plain vector-offset DMA write (dma_copy), with oob_mode.skip
     when ``skip``."""
-    p, n = values.shape
-    out = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.shared_hbm)
-    b = nl.ndarray(base.shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=b, src=base)
-    nisa.dma_copy(dst=out, src=b)
-    idx = nl.ndarray((p, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=idx, src=index)
-    v = nl.ndarray((p, n), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=v, src=values)
-    dst = out.ap(pattern=[[n, p], [1, n]], offset=0, vector_offset=idx, indirect_dim=0)
+    out, dst, v = _scatter_operands(base, index, values)
     if skip:
         nisa.dma_copy(dst=dst, src=v, oob_mode=nisa.oob_mode.skip)
     else:
