@@ -1,34 +1,27 @@
 // Native CPU body of the neuron-w8 MoE op, AVX2 + FMA + F16C variant: exact FP8-weight MoE with 1-byte experts.
-//
-// Built at first use by vllm_moe_w8/op/native.py (g++ -O3 -mavx2 -mfma -mf16c -fopenmp) on hosts whose best
-// instruction set is AVX2 (or when VLLM_MOE_W8_CPU_ISA=avx2), loaded with ctypes; no torch headers. Threads: the
-// caller and nthreads - 1 helpers that it never waits to start (moe_common.h, run_phases).
+// Built at first use by vllm_moe_w8/op/native.py (g++ -O3 -mavx2 -mfma -mf16c) on hosts whose best instruction set is
+// AVX2 (or VLLM_MOE_W8_CPU_ISA=avx2), loaded with ctypes; no torch headers. Threads: moe_common.h, run_phases.
 //
 // Numbers: every product and sum in float32. Panel path (many tokens): each weight is the float32 product
 // code_value * tile_scale, rounded once -- exactly what fp8.dequantize computes. Few tokens: the exact code values
 // are multiplied with the inputs and each scale tile's float32 partial sum is multiplied by its scale (one rounding
 // per tile instead of one per weight; both within float32 summation error of the exact product).
 //   decode: an E4M3/E4M3FN byte s.eeee.mmm placed as float16 bits s.0eeee.mmm0000000 is code_value / 256
-//   (normals and subnormals alike; F16C converts float16 subnormals exactly), so
-//   weight = fp32(half) * (256 * scale) with a single rounding. Codes must be finite in their format
-//   (repack and the checkpoint reader guarantee it): e4m3's inf/NaN codes and e4m3fn's NaN code are not
-//   special-cased here.
+//   (normals and subnormals alike; F16C converts float16 subnormals exactly), so weight = fp32(half) * (256 * scale)
+//   with a single rounding. Codes must be finite in their format (repack and the checkpoint reader guarantee it).
 //
 // Algorithm (routing and work split shared with the other variants, moe_common.h):
-//   phase 1: work item = (expert, chunk of intermediate rows): decode a few gate (then up) rows into an
-//            L1-resident float32 panel, multiply with every token routed to the expert, then SiLU(gate)*up
-//            into h[pair, i].
-//   phase 2: work item = chunk of hidden rows of W2 (output columns), looping over the routed experts:
-//            decode a panel of W2 rows, dot with h of the expert's pairs, accumulate weight * y into the
-//            float32 output -- each item owns its output columns, so there are no races.
-// Never a whole expert is dequantised; each routed expert's codes are decoded once per call per token block.
+//   phase 1: work item = (expert, chunk of intermediate rows): gate (then up) rows times every token routed to the
+//            expert -- decoded in registers for few tokens, else through an L1 panel -- then SiLU(gate)*up into h.
+//   phase 2: work item = chunk of hidden rows of W2 (output columns), looping over the routed experts: the rows
+//            times h of the expert's pairs, weight * y accumulated into the float32 output (each item owns its
+//            output columns: no races). Never a whole expert is dequantised.
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -36,26 +29,20 @@
 
 namespace {
 
-// Tuning constants (overridable with -D for same-process A/B builds).
+// Tuning constants; these two overridable with -D for same-process A/B builds (benchmarks/native_ab/moe_ab.cpp).
 #ifndef MOE_FUSED_TOKENS
 #define MOE_FUSED_TOKENS 8
 #endif
-#ifndef MOE_PANEL_COLS
-#define MOE_PANEL_COLS 512
-#endif
-#ifndef MOE_TILE_ROWS
-#define MOE_TILE_ROWS 2
-#endif
-constexpr int kTileRows = MOE_TILE_ROWS;      // panel rows per register tile
-constexpr int kPanelRows = 2 * kTileRows;     // rows decoded into the panel at once (prefill)
-constexpr int kTokenTile = 12 / kTileRows;    // tokens per register tile: 2 x 6 float32 accumulators + 2 weights + 1 input
-constexpr int kTokenBlock = 36;   // tokens whose inputs stay in L2 while a panel is reused
-constexpr int64_t kPanelCols = MOE_PANEL_COLS;  // panel columns decoded at once (4 x 512 float32: 8 KiB, L1)
-constexpr int kFusedTokens = MOE_FUSED_TOKENS;  // at most this many tokens: decode into registers, no panel
 #ifndef MOE_PREFETCH
 #define MOE_PREFETCH 2048
 #endif
-constexpr int64_t kPrefetch = MOE_PREFETCH;  // bytes of codes ahead (fused path), one prefetch per 64-byte line and row
+constexpr int kTileRows = 2;      // panel rows per register tile
+constexpr int kPanelRows = 4;     // rows decoded into the panel at once (prefill)
+constexpr int kTokenTile = 6;     // tokens per register tile: 2 x 6 float32 accumulators + 2 weights + 1 input
+constexpr int kTokenBlock = 36;   // tokens whose inputs stay in L2 while a panel is reused
+constexpr int64_t kPanelCols = 512;             // panel columns decoded at once (4 x 512 float32: 8 KiB, L1)
+constexpr int kFusedTokens = MOE_FUSED_TOKENS;  // at most this many tokens: decode into registers, no panel
+constexpr int64_t kPrefetch = MOE_PREFETCH;     // bytes of codes ahead (fused path), one prefetch per line and row
 
 struct Matrix {  // one expert matrix [N, K] of codes with its scale grid
   const uint8_t* codes;
@@ -101,8 +88,7 @@ inline void decode_rows(const Matrix& m, int64_t n0, int rows, int64_t k0, int64
   }
 }
 
-// Keeps v in a register: one load feeding several FMAs, where g++ would otherwise fold the load into each of them.
-inline void in_register(__m256& v) { asm("" : "+x"(v)); }
+inline void in_register(__m256& v) { asm("" : "+x"(v)); }  // one load feeding several FMAs (g++ would fold it into each)
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -118,7 +104,6 @@ template <int R, int M>
 inline void dot_tile(const float* panel, int64_t kc, int64_t k0, const float* const* xs, __m256* acc) {
   __m256 a[R][M];
   const float* x[M];
-#pragma GCC unroll 6
   for (int j = 0; j < M; ++j) x[j] = xs[j] + k0;
 #pragma GCC unroll 2
   for (int r = 0; r < R; ++r)
@@ -144,8 +129,7 @@ inline void dot_tile(const float* panel, int64_t kc, int64_t k0, const float* co
 
 template <int R>
 inline void dot_tile_m(int m, const float* panel, int64_t kc, int64_t k0, const float* const* xs, __m256* acc) {
-  static_assert(kTokenTile <= 6, "one case per token count up to kTokenTile");
-  if (kTokenTile <= 4 && m > 4) __builtin_unreachable();
+  static_assert(kTokenTile == 6, "one case per token count up to kTokenTile");
   switch (m) {
     case 1: dot_tile<R, 1>(panel, kc, k0, xs, acc); break;
     case 2: dot_tile<R, 2>(panel, kc, k0, xs, acc); break;
@@ -160,23 +144,19 @@ inline void dot_tile_m(int m, const float* panel, int64_t kc, int64_t k0, const 
 // straight into registers (each 16 codes decoded once, used by every token). Per scale tile the exact code values
 // (x 2^-8, as float16 bits) are dotted with the inputs and the tile's partial sum is multiplied by 256 * scale: no
 // multiply per weight. Two rows at once load each input vector once for both (a load per FMA bounds one row from
-// 3 tokens on) and give independent FMA chains; kTwo keeps a second accumulator per (row, token) where the
-// chains would otherwise be latency-bound (1-2 tokens).
+// 3 tokens on); C accumulators per (row, token) break the FMA latency chains of 1-2 tokens.
 template <int R, int M, int C>
 inline void fused_rows_dot(const Matrix& m, int64_t n, const float* const* xs, float* res) {
   static_assert(C == 1 || C == 2 || C == 4, "C: accumulators per (row, token)");
   const uint8_t* src[R];
   const float* srow[R];
-#pragma GCC unroll 2
   for (int r = 0; r < R; ++r) {
     src[r] = m.codes + (n + r) * m.k;
     srow[r] = m.scales + ((n + r) / m.bn) * m.gk;
   }
   const int64_t bk = m.bk ? m.bk : m.k;
   __m256 tot[R][M];
-#pragma GCC unroll 2
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
     for (int j = 0; j < M; ++j) tot[r][j] = _mm256_setzero_ps();
   for (int64_t kb = 0, b = 0; kb < m.k; kb += bk, ++b) {
     const int64_t kend = std::min(kb + bk, m.k);
@@ -242,9 +222,7 @@ inline void fused_rows_dot(const Matrix& m, int64_t n, const float* const* xs, f
       }
     }
   }
-#pragma GCC unroll 2
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
     for (int j = 0; j < M; ++j) res[r * M + j] = hsum(tot[r][j]);
 }
 
@@ -255,11 +233,10 @@ inline void fused_rows_dot(const Matrix& m, int64_t n, const float* const* xs, f
 // has one summation order per row, whichever path the row takes, so a row's bits never depend on its neighbour.
 inline void fused_dot_any(int rows, int count, const Matrix& m, int64_t n, const float* const* xs, float* res) {
   if (rows == 2 && count >= 3 && count <= 5) {
-    switch (count) {
-      case 3: fused_rows_dot<2, 3, 1>(m, n, xs, res); return;
-      case 4: fused_rows_dot<2, 4, 1>(m, n, xs, res); return;
-      default: fused_rows_dot<2, 5, 1>(m, n, xs, res); return;
-    }
+    if (count == 3) fused_rows_dot<2, 3, 1>(m, n, xs, res);
+    else if (count == 4) fused_rows_dot<2, 4, 1>(m, n, xs, res);
+    else fused_rows_dot<2, 5, 1>(m, n, xs, res);
+    return;
   }
   for (int r = 0; r < rows; ++r, res += count) {
     switch (count) {
@@ -316,12 +293,10 @@ void matmul_rows(const Matrix& mat, int64_t n0, int64_t n1, const float* const* 
           const int64_t t = t0 + tiles.start(tile);
           const int toks = static_cast<int>(tiles.start(tile + 1) - tiles.start(tile));
           __m256* a = acc + tile * kPanelRows * kTokenTile;
+          static_assert(kTileRows == 2, "a tile is a row pair (or the last, lone row)");
           for (int r = 0; r < rows; r += kTileRows) {
-            switch (std::min(rows - r, kTileRows)) {
-              case 1: dot_tile_m<1>(toks, panel + r * kc, kc, k0, xs + t, a + r * kTokenTile); break;
-              case 2: dot_tile_m<2>(toks, panel + r * kc, kc, k0, xs + t, a + r * kTokenTile); break;
-              default: dot_tile_m<3>(toks, panel + r * kc, kc, k0, xs + t, a + r * kTokenTile); break;
-            }
+            if (rows - r >= 2) dot_tile_m<2>(toks, panel + r * kc, kc, k0, xs + t, a + r * kTokenTile);
+            else dot_tile_m<1>(toks, panel + r * kc, kc, k0, xs + t, a + r * kTokenTile);
           }
         }
       }
@@ -338,7 +313,6 @@ void matmul_rows(const Matrix& mat, int64_t n0, int64_t n1, const float* const* 
 }  // namespace
 
 extern "C" {
-
 // Returns 0 on success, 1 for unsupported shapes, 2 (and *bad_id) for an expert id >= E.
 //   x [T, H] float32; x_planes is unused here (the float32 inputs are used as they are); h_planes must be 0
 //   (h stays float32: FMA needs no bf16 planes);
