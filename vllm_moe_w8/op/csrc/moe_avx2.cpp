@@ -1,34 +1,27 @@
 // Native CPU body of the neuron-w8 MoE op, AVX2 + FMA + F16C variant: exact FP8-weight MoE with 1-byte experts.
-//
-// Built at first use by vllm_moe_w8/op/native.py (g++ -O3 -mavx2 -mfma -mf16c -fopenmp) on hosts whose best
-// instruction set is AVX2 (or when VLLM_MOE_W8_CPU_ISA=avx2), loaded with ctypes; no torch headers. Threads: the
-// caller and nthreads - 1 helpers that it never waits to start (moe_common.h, run_phases).
+// Built at first use by vllm_moe_w8/op/native.py (g++ -O3 -mavx2 -mfma -mf16c) on hosts whose best instruction set is
+// AVX2 (or VLLM_MOE_W8_CPU_ISA=avx2), loaded with ctypes; no torch headers. Threads: moe_common.h, run_phases.
 //
 // Numbers: every product and sum in float32. Panel path (many tokens): each weight is the float32 product
 // code_value * tile_scale, rounded once -- exactly what fp8.dequantize computes. Few tokens: the exact code values
 // are multiplied with the inputs and each scale tile's float32 partial sum is multiplied by its scale (one rounding
 // per tile instead of one per weight; both within float32 summation error of the exact product).
 //   decode: an E4M3/E4M3FN byte s.eeee.mmm placed as float16 bits s.0eeee.mmm0000000 is code_value / 256
-//   (normals and subnormals alike; F16C converts float16 subnormals exactly), so
-//   weight = fp32(half) * (256 * scale) with a single rounding. Codes must be finite in their format
-//   (repack and the checkpoint reader guarantee it): e4m3's inf/NaN codes and e4m3fn's NaN code are not
-//   special-cased here.
+//   (normals and subnormals alike; F16C converts float16 subnormals exactly), so weight = fp32(half) * (256 * scale)
+//   with a single rounding. Codes must be finite in their format (repack and the checkpoint reader guarantee it).
 //
 // Algorithm (routing and work split shared with the other variants, moe_common.h):
-//   phase 1: work item = (expert, chunk of intermediate rows): decode a few gate (then up) rows into an
-//            L1-resident float32 panel, multiply with every token routed to the expert, then SiLU(gate)*up
-//            into h[pair, i].
-//   phase 2: work item = chunk of hidden rows of W2 (output columns), looping over the routed experts:
-//            decode a panel of W2 rows, dot with h of the expert's pairs, accumulate weight * y into the
-//            float32 output -- each item owns its output columns, so there are no races.
-// Never a whole expert is dequantised; each routed expert's codes are decoded once per call per token block.
+//   phase 1: work item = (expert, chunk of intermediate rows): gate (then up) rows times every token routed to the
+//            expert -- decoded in registers for few tokens, else through an L1 panel -- then SiLU(gate)*up into h.
+//   phase 2: work item = chunk of hidden rows of W2 (output columns), looping over the routed experts: the rows
+//            times h of the expert's pairs, weight * y accumulated into the float32 output (each item owns its
+//            output columns: no races). Never a whole expert is dequantised.
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -36,10 +29,20 @@
 
 namespace {
 
-constexpr int kPanelRows = 4;   // rows decoded at once
-constexpr int kTokenTile = 3;   // tokens per register tile
-constexpr int kTokenBlock = 32; // tokens whose inputs stay in L2 while a panel is reused
-constexpr int64_t kChunk = 256; // panel columns decoded at once when one scale tile spans the row (bk == 0)
+// Tuning constants; these two overridable with -D for same-process A/B builds (benchmarks/native_ab/moe_ab.cpp).
+#ifndef MOE_FUSED_TOKENS
+#define MOE_FUSED_TOKENS 8
+#endif
+#ifndef MOE_PREFETCH
+#define MOE_PREFETCH 2048
+#endif
+constexpr int kTileRows = 2;      // panel rows per register tile
+constexpr int kPanelRows = 4;     // rows decoded into the panel at once (prefill)
+constexpr int kTokenTile = 6;     // tokens per register tile: 2 x 6 float32 accumulators + 2 weights + 1 input
+constexpr int kTokenBlock = 36;   // tokens whose inputs stay in L2 while a panel is reused
+constexpr int64_t kPanelCols = 512;             // panel columns decoded at once (4 x 512 float32: 8 KiB, L1)
+constexpr int kFusedTokens = MOE_FUSED_TOKENS;  // at most this many tokens: decode into registers, no panel
+constexpr int64_t kPrefetch = MOE_PREFETCH;     // bytes of codes ahead (fused path), one prefetch per line and row
 
 struct Matrix {  // one expert matrix [N, K] of codes with its scale grid
   const uint8_t* codes;
@@ -48,29 +51,44 @@ struct Matrix {  // one expert matrix [N, K] of codes with its scale grid
   int64_t bn, bk, gk;
 };
 
+// 16 codes -> 16 float16 bit patterns, each the exact code value / 256: s at bit 15, eeee.mmm at 13..7.
+// The byte sign-extended to 16 bits and shifted left by 7 has s at bits 15 and 14 and eeee.mmm at 13..7:
+// clearing bit 14 leaves exactly that pattern (three operations per 16 codes).
+inline __m256i decode16(const uint8_t* p) {
+  const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+}
+inline __m256 half_lo(__m256i w) { return _mm256_cvtph_ps(_mm256_castsi256_si128(w)); }
+inline __m256 half_hi(__m256i w) { return _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1)); }
+
 // Decode columns [k0, k1) of rows [n0, n0 + rows) of m into panel (row-major, stride k1 - k0; k0, k1 multiples
-// of 16 inside one scale tile column, or bk == 0).
+// of 16): each weight is code_value * its tile's scale, one float32 rounding (the scale tiles' column edges are
+// multiples of 16, so each 16 columns share one scale).
 inline void decode_rows(const Matrix& m, int64_t n0, int rows, int64_t k0, int64_t k1, float* panel) {
-  const __m256i sign_bit = _mm256_set1_epi16(0x4000);
-  const int64_t b = m.bk ? k0 / m.bk : 0;
+  const int64_t bk = m.bk ? m.bk : m.k;
   for (int r = 0; r < rows; ++r) {
     const int64_t n = n0 + r;
     const uint8_t* src = m.codes + n * m.k;
+    const float* srow = m.scales + (n / m.bn) * m.gk;
     float* dst = panel + r * (k1 - k0) - k0;
-    const __m256 sc = _mm256_set1_ps(m.scales[(n / m.bn) * m.gk + b] * 256.0f);
-    for (int64_t k = k0; k < k1; k += 16) {
-      // the row's next chunk (or the next row), used after this panel's dot products: from memory meanwhile
-      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + k + (k1 - k0)), _MM_HINT_T0);
-      __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k)));
-      w = _mm256_slli_epi16(w, 7);                              // s at bit 14, eeee.mmm at 13..7
-      w = _mm256_add_epi16(w, _mm256_and_si256(w, sign_bit));  // move s to bit 15
-      __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
-      __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
-      _mm256_storeu_ps(dst + k, _mm256_mul_ps(lo, sc));
-      _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(hi, sc));
+    // codes used after this panel's dot products, from memory meanwhile: the row's next chunk, or after the
+    // row's last chunk the first chunk of the next panel's row
+    const uint8_t* ahead = k1 < m.k ? src + (k1 - k0) : src + rows * m.k - k0;
+    for (int64_t kb = k0; kb < k1;) {
+      const int64_t b = kb / bk, kend = std::min(k1, (b + 1) * bk);
+      const __m256 sc = _mm256_set1_ps(srow[m.bk ? b : 0] * 256.0f);
+      for (int64_t k = kb; k < kend; k += 16) {
+        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T0);
+        const __m256i w = decode16(src + k);
+        _mm256_storeu_ps(dst + k, _mm256_mul_ps(half_lo(w), sc));
+        _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(half_hi(w), sc));
+      }
+      kb = kend;
     }
   }
 }
+
+inline void in_register(__m256& v) { asm("" : "+x"(v)); }  // one load feeding several FMAs (g++ would fold it into each)
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -79,149 +97,212 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// acc[r][j] += (panel row r) * (x row j) over columns [k0, k1) (panel stride k1 - k0), as 8 partial sums each:
+// acc[r][j] += (panel row r) * (x row j) over columns [k0, k1) (panel stride kc = k1 - k0), as 8 partial sums each:
 // R rows x M tokens of float32 vectors kept in memory between column chunks (one load and store per chunk).
+// Per 8 columns: R + M loads, R * M FMAs (2 x 6: 8 loads for 12 FMAs, 15 of the 16 vector registers).
 template <int R, int M>
-inline void dot_tile(const float* panel, int64_t k0, int64_t k1, const float* const* xs, __m256* acc) {
+inline void dot_tile(const float* panel, int64_t kc, int64_t k0, const float* const* xs, __m256* acc) {
   __m256 a[R][M];
-  const int64_t kc = k1 - k0;
-#pragma GCC unroll 4
+  const float* x[M];
+  for (int j = 0; j < M; ++j) x[j] = xs[j] + k0;
+#pragma GCC unroll 2
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
+#pragma GCC unroll 6
     for (int j = 0; j < M; ++j) a[r][j] = _mm256_load_ps(reinterpret_cast<const float*>(acc + r * kTokenTile + j));
   for (int64_t kk = 0; kk < kc; kk += 8) {
     __m256 w[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 2
     for (int r = 0; r < R; ++r) w[r] = _mm256_loadu_ps(panel + r * kc + kk);
-#pragma GCC unroll 3
+#pragma GCC unroll 6
     for (int j = 0; j < M; ++j) {
-      const __m256 xv = _mm256_loadu_ps(xs[j] + k0 + kk);
-#pragma GCC unroll 4
+      __m256 xv = _mm256_loadu_ps(x[j] + kk);
+      in_register(xv);
+#pragma GCC unroll 2
       for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(w[r], xv, a[r][j]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 2
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
+#pragma GCC unroll 6
     for (int j = 0; j < M; ++j) _mm256_store_ps(reinterpret_cast<float*>(acc + r * kTokenTile + j), a[r][j]);
 }
 
 template <int R>
-inline void dot_tile_m(int m, const float* panel, int64_t k0, int64_t k1, const float* const* xs, __m256* acc) {
+inline void dot_tile_m(int m, const float* panel, int64_t kc, int64_t k0, const float* const* xs, __m256* acc) {
+  static_assert(kTokenTile == 6, "one case per token count up to kTokenTile");
   switch (m) {
-    case 1: dot_tile<R, 1>(panel, k0, k1, xs, acc); break;
-    case 2: dot_tile<R, 2>(panel, k0, k1, xs, acc); break;
-    default: dot_tile<R, 3>(panel, k0, k1, xs, acc); break;
+    case 1: dot_tile<R, 1>(panel, kc, k0, xs, acc); break;
+    case 2: dot_tile<R, 2>(panel, kc, k0, xs, acc); break;
+    case 3: dot_tile<R, 3>(panel, kc, k0, xs, acc); break;
+    case 4: dot_tile<R, 4>(panel, kc, k0, xs, acc); break;
+    case 5: dot_tile<R, 5>(panel, kc, k0, xs, acc); break;
+    default: dot_tile<R, 6>(panel, kc, k0, xs, acc); break;
   }
 }
 
-inline void dot_tile_any(int r, int m, const float* panel, int64_t k0, int64_t k1, const float* const* xs, __m256* acc) {
-  switch (r) {
-    case 1: dot_tile_m<1>(m, panel, k0, k1, xs, acc); break;
-    case 2: dot_tile_m<2>(m, panel, k0, k1, xs, acc); break;
-    case 3: dot_tile_m<3>(m, panel, k0, k1, xs, acc); break;
-    default: dot_tile_m<4>(m, panel, k0, k1, xs, acc); break;
+// Few tokens: res[r * M + j] = dot(row n + r of mat, xs[j]) for R rows and M <= kFusedTokens tokens, decoding
+// straight into registers (each 16 codes decoded once, used by every token). Per scale tile the exact code values
+// (x 2^-8, as float16 bits) are dotted with the inputs and the tile's partial sum is multiplied by 256 * scale: no
+// multiply per weight. Two rows at once load each input vector once for both (a load per FMA bounds one row from
+// 3 tokens on); C accumulators per (row, token) break the FMA latency chains of 1-2 tokens.
+template <int R, int M, int C>
+inline void fused_rows_dot(const Matrix& m, int64_t n, const float* const* xs, float* res) {
+  static_assert(C == 1 || C == 2 || C == 4, "C: accumulators per (row, token)");
+  const uint8_t* src[R];
+  const float* srow[R];
+  for (int r = 0; r < R; ++r) {
+    src[r] = m.codes + (n + r) * m.k;
+    srow[r] = m.scales + ((n + r) / m.bn) * m.gk;
   }
-}
-
-// Few tokens: res[j] = dot(row n of mat, xs[j]) for M <= kFusedTokens, decoding straight into registers
-// (each 16 codes decoded once, used by every token). Per scale tile the exact code values (x 2^-8, as float16 bits)
-// are dotted with the inputs and the tile's partial sum is multiplied by 256 * scale: no multiply per weight.
-// M <= 6 keep two accumulators per token (two FMA chains: latency, not throughput, bounds one chain).
-constexpr int kFusedTokens = 8;
-constexpr int kPrefetch = 512;  // bytes of codes ahead
-template <int M>
-inline void fused_row_dot(const Matrix& m, int64_t n, const float* const* xs, float* res) {
-  constexpr bool kSplit = M <= 6;
-  const __m256i sign_bit = _mm256_set1_epi16(0x4000);
-  const uint8_t* src = m.codes + n * m.k;
-  const float* srow = m.scales + (n / m.bn) * m.gk;
   const int64_t bk = m.bk ? m.bk : m.k;
-  __m256 tot[M];
-#pragma GCC unroll 8
-  for (int j = 0; j < M; ++j) tot[j] = _mm256_setzero_ps();
+  __m256 tot[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < M; ++j) tot[r][j] = _mm256_setzero_ps();
   for (int64_t kb = 0, b = 0; kb < m.k; kb += bk, ++b) {
     const int64_t kend = std::min(kb + bk, m.k);
-    __m256 acc_lo[M], acc_hi[kSplit ? M : 1];
+    __m256 a[C][R][M];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int j = 0; j < M; ++j) acc_lo[j] = _mm256_setzero_ps();
+        for (int j = 0; j < M; ++j) a[c][r][j] = _mm256_setzero_ps();
+    // 16 codes at k into accumulator set c0 (low 8 columns) and c1 (high 8)
+    auto step = [&](int64_t k, int c0, int c1) __attribute__((always_inline)) {
+      __m256i w16[R];
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) w16[r] = decode16(src[r] + k);
+      {
+        __m256 wf[R];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) wf[r] = half_lo(w16[r]);
 #pragma GCC unroll 8
-    for (int j = 0; j < (kSplit ? M : 1); ++j) acc_hi[j] = _mm256_setzero_ps();
-    for (int64_t k = kb; k < kend; k += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + k + kPrefetch), _MM_HINT_T0);
-      __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k)));
-      w = _mm256_slli_epi16(w, 7);
-      w = _mm256_add_epi16(w, _mm256_and_si256(w, sign_bit));
-      const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
-      const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
-#pragma GCC unroll 8
-      for (int j = 0; j < M; ++j) {
-        acc_lo[j] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs[j] + k), acc_lo[j]);
-        if constexpr (kSplit) {
-          acc_hi[j] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs[j] + k + 8), acc_hi[j]);
-        } else {
-          acc_lo[j] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs[j] + k + 8), acc_lo[j]);
+        for (int j = 0; j < M; ++j) {
+          __m256 xv = _mm256_loadu_ps(xs[j] + k);
+          if constexpr (R > 1) in_register(xv);
+#pragma GCC unroll 2
+          for (int r = 0; r < R; ++r) a[c0][r][j] = _mm256_fmadd_ps(wf[r], xv, a[c0][r][j]);
         }
       }
-    }
-    const __m256 sc = _mm256_set1_ps(srow[b] * 256.0f);
+      {
+        __m256 wf[R];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) wf[r] = half_hi(w16[r]);
 #pragma GCC unroll 8
-    for (int j = 0; j < M; ++j) {
-      if constexpr (kSplit) {
-        tot[j] = _mm256_fmadd_ps(_mm256_add_ps(acc_lo[j], acc_hi[j]), sc, tot[j]);
-      } else {
-        tot[j] = _mm256_fmadd_ps(acc_lo[j], sc, tot[j]);
+        for (int j = 0; j < M; ++j) {
+          __m256 xv = _mm256_loadu_ps(xs[j] + k + 8);
+          if constexpr (R > 1) in_register(xv);
+#pragma GCC unroll 2
+          for (int r = 0; r < R; ++r) a[c1][r][j] = _mm256_fmadd_ps(wf[r], xv, a[c1][r][j]);
+        }
+      }
+    };
+    constexpr int lo0 = 0, hi0 = C >= 2 ? 1 : 0, lo1 = C == 4 ? 2 : 0, hi1 = C == 4 ? 3 : hi0;
+    int64_t k = kb;
+    for (; k + 64 <= kend; k += 64) {
+      // R rows are streamed side by side: past a row's end, the codes due next are R - 1 rows further on
+      const int64_t ahead = k + kPrefetch >= m.k ? kPrefetch + (R - 1) * m.k : kPrefetch;
+#pragma GCC unroll 2
+      for (int r = 0; r < R && kPrefetch > 0; ++r) _mm_prefetch(reinterpret_cast<const char*>(src[r] + k + ahead), _MM_HINT_T0);
+      step(k, lo0, hi0);
+      step(k + 16, lo1, hi1);
+      step(k + 32, lo0, hi0);
+      step(k + 48, lo1, hi1);
+    }
+    for (; k < kend; k += 16) step(k, lo0, hi0);
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      const __m256 sc = _mm256_set1_ps(srow[r][b] * 256.0f);
+#pragma GCC unroll 8
+      for (int j = 0; j < M; ++j) {
+        __m256 part = a[0][r][j];
+#pragma GCC unroll 3
+        for (int c = 1; c < C; ++c) part = _mm256_add_ps(part, a[c][r][j]);
+        tot[r][j] = _mm256_fmadd_ps(part, sc, tot[r][j]);
       }
     }
   }
-#pragma GCC unroll 8
-  for (int j = 0; j < M; ++j) res[j] = hsum(tot[j]);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < M; ++j) res[r * M + j] = hsum(tot[r][j]);
 }
 
-inline void fused_row_dot_any(int count, const Matrix& m, int64_t n, const float* const* xs, float* res) {
-  switch (count) {
-    case 1: fused_row_dot<1>(m, n, xs, res); break;
-    case 2: fused_row_dot<2>(m, n, xs, res); break;
-    case 3: fused_row_dot<3>(m, n, xs, res); break;
-    case 4: fused_row_dot<4>(m, n, xs, res); break;
-    case 5: fused_row_dot<5>(m, n, xs, res); break;
-    case 6: fused_row_dot<6>(m, n, xs, res); break;
-    case 7: fused_row_dot<7>(m, n, xs, res); break;
-    default: fused_row_dot<8>(m, n, xs, res); break;
+// rows (1 or 2) rows from n for count tokens; res[r * count + j].
+// rows (1 or 2) rows from n for count tokens; res[r * count + j]. 1-2 tokens: one row at a time with 4 / 2
+// accumulators per token (two rows streamed side by side measured 1.2-1.4x slower there); 3-5 tokens: two rows at
+// once, each input load feeding both; 6-8: one row (two would need more than the 16 vector registers). Each count
+// has one summation order per row, whichever path the row takes, so a row's bits never depend on its neighbour.
+inline void fused_dot_any(int rows, int count, const Matrix& m, int64_t n, const float* const* xs, float* res) {
+  if (rows == 2 && count >= 3 && count <= 5) {
+    if (count == 3) fused_rows_dot<2, 3, 1>(m, n, xs, res);
+    else if (count == 4) fused_rows_dot<2, 4, 1>(m, n, xs, res);
+    else fused_rows_dot<2, 5, 1>(m, n, xs, res);
+    return;
+  }
+  for (int r = 0; r < rows; ++r, res += count) {
+    switch (count) {
+      case 1: fused_rows_dot<1, 1, 4>(m, n + r, xs, res); break;
+      case 2: fused_rows_dot<1, 2, 2>(m, n + r, xs, res); break;
+      case 3: fused_rows_dot<1, 3, 1>(m, n + r, xs, res); break;
+      case 4: fused_rows_dot<1, 4, 1>(m, n + r, xs, res); break;
+      case 5: fused_rows_dot<1, 5, 1>(m, n + r, xs, res); break;
+      case 6: fused_rows_dot<1, 6, 2>(m, n + r, xs, res); break;
+      case 7: fused_rows_dot<1, 7, 1>(m, n + r, xs, res); break;
+      default: fused_rows_dot<1, 8, 1>(m, n + r, xs, res); break;
+    }
   }
 }
+
+// Splits n items into ceil(n / most) parts as equal as possible; part q is [start(q), start(q + 1)).
+struct EvenSplit {
+  int64_t parts, base, extra;
+  EvenSplit(int64_t n, int64_t most) : parts((n + most - 1) / most), base(n / parts), extra(n % parts) {}
+  int64_t start(int64_t q) const { return q * base + std::min(q, extra); }
+};
 
 // For rows [n0, n1) of mat and tokens xs[0..count): calls emit(token_index, row, value).
 template <class Emit>
 void matmul_rows(const Matrix& mat, int64_t n0, int64_t n1, const float* const* xs, int64_t count, float* panel, Emit emit) {
+  static_assert(kFusedTokens >= 1 && kFusedTokens <= 8, "fused_dot_any has cases for 1..8 tokens");
   if (count <= kFusedTokens) {  // decode-bound: no panel round trip
-    float r[kFusedTokens];
-    for (int64_t n = n0; n < n1; ++n) {
-      fused_row_dot_any(static_cast<int>(count), mat, n, xs, r);
-      for (int64_t j = 0; j < count; ++j) emit(j, n, r[j]);
+    float r[kTileRows * kFusedTokens];
+    const int c = static_cast<int>(count);
+    for (int64_t n = n0; n < n1; n += kTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n1 - n));
+      fused_dot_any(rows, c, mat, n, xs, r);
+      for (int q = 0; q < rows; ++q)
+        for (int j = 0; j < c; ++j) emit(j, n + q, r[q * c + j]);
     }
     return;
   }
-  // Panel path: per block of kTokenBlock tokens and kPanelRows rows, the columns in chunks of one scale tile
-  // (at most kChunk): decode the chunk of the rows (an L1-resident panel), then every token tile's partial sums.
-  const int64_t chunk = mat.bk ? mat.bk : std::min<int64_t>(kChunk, mat.k);
-  constexpr int kTiles = (kTokenBlock + kTokenTile - 1) / kTokenTile;
-  alignas(32) __m256 acc[kTiles * kPanelRows * kTokenTile];
-  for (int64_t t0 = 0; t0 < count; t0 += kTokenBlock) {
-    const int64_t t1 = std::min(t0 + kTokenBlock, count);
+  // Panel path: per block of <= kTokenBlock tokens and kPanelRows rows, the columns in chunks of kPanelCols:
+  // decode the chunk of the rows (an L1-resident panel), then every (2 rows x token tile)'s partial sums.
+  const int64_t chunk = std::min<int64_t>(kPanelCols, mat.k);
+  constexpr int kMaxTiles = (kTokenBlock + kTokenTile - 1) / kTokenTile;
+  alignas(32) __m256 acc[kMaxTiles * kPanelRows * kTokenTile];
+  const EvenSplit blocks(count, kTokenBlock);
+  for (int64_t q = 0; q < blocks.parts; ++q) {
+    const int64_t t0 = blocks.start(q), t1 = blocks.start(q + 1);
+    const EvenSplit tiles(t1 - t0, kTokenTile);  // 7 tokens: 4 + 3, not 6 + 1
     for (int64_t n = n0; n < n1; n += kPanelRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, n1 - n));
-      std::fill(acc, acc + kTiles * kPanelRows * kTokenTile, _mm256_setzero_ps());
+      std::fill(acc, acc + tiles.parts * kPanelRows * kTokenTile, _mm256_setzero_ps());
       for (int64_t k0 = 0; k0 < mat.k; k0 += chunk) {
-        const int64_t k1 = std::min(k0 + chunk, mat.k);
+        const int64_t k1 = std::min(k0 + chunk, mat.k), kc = k1 - k0;
         decode_rows(mat, n, rows, k0, k1, panel);
-        for (int64_t t = t0, tile = 0; t < t1; t += kTokenTile, ++tile) {
-          const int toks = static_cast<int>(std::min<int64_t>(kTokenTile, t1 - t));
-          dot_tile_any(rows, toks, panel, k0, k1, xs + t, acc + tile * kPanelRows * kTokenTile);
+        for (int64_t tile = 0; tile < tiles.parts; ++tile) {
+          const int64_t t = t0 + tiles.start(tile);
+          const int toks = static_cast<int>(tiles.start(tile + 1) - tiles.start(tile));
+          __m256* a = acc + tile * kPanelRows * kTokenTile;
+          static_assert(kTileRows == 2, "a tile is a row pair (or the last, lone row)");
+          for (int r = 0; r < rows; r += kTileRows) {
+            if (rows - r >= 2) dot_tile_m<2>(toks, panel + r * kc, kc, k0, xs + t, a + r * kTokenTile);
+            else dot_tile_m<1>(toks, panel + r * kc, kc, k0, xs + t, a + r * kTokenTile);
+          }
         }
       }
-      for (int64_t t = t0, tile = 0; t < t1; t += kTokenTile, ++tile) {
-        const int toks = static_cast<int>(std::min<int64_t>(kTokenTile, t1 - t));
+      for (int64_t tile = 0; tile < tiles.parts; ++tile) {
+        const int64_t t = t0 + tiles.start(tile);
+        const int toks = static_cast<int>(tiles.start(tile + 1) - tiles.start(tile));
         for (int r = 0; r < rows; ++r)
           for (int j = 0; j < toks; ++j) emit(t + j, n + r, hsum(acc[tile * kPanelRows * kTokenTile + r * kTokenTile + j]));
       }
@@ -232,7 +313,6 @@ void matmul_rows(const Matrix& mat, int64_t n0, int64_t n1, const float* const* 
 }  // namespace
 
 extern "C" {
-
 // Returns 0 on success, 1 for unsupported shapes, 2 (and *bad_id) for an expert id >= E.
 //   x [T, H] float32; x_planes is unused here (the float32 inputs are used as they are); h_planes must be 0
 //   (h stays float32: FMA needs no bf16 planes);
