@@ -11,9 +11,15 @@ over the bytes, each a plain vectorised numpy loop (no reduceat over rows, no by
 3. the magnitudes below 0x10 (rare in real checkpoints) are found only in the (32 rows, column) groups whose
    minimum says they hold one, and rounded to nearest even (:func:`vllm_moe_w8.codec.fp8.halve_codes`' rule); the odd ones in
    shifted tiles are the rounded values, counted per tile.
+
+Tile rows are independent, so :func:`pow2_threaded` splits the tile rows into bands, one per thread (numpy's
+loops release the GIL), as the native body does; the caller passes ``torch.get_num_threads()``. (Python threads
+inherit the calling thread's CPU mask: under vLLM's CPU worker, which binds that thread to one CPU, they share it.)
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -84,3 +90,16 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
         odd = (m & 1) == 1
         np.add.at(rounded, (tg[odd], tk[odd]), 1)
     return out, tile_max, rounded
+
+
+def pow2_threaded(c: np.ndarray, bn: int, bk: int, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`pow2` over bands of whole tile rows, up to ``threads`` at once (one band per ~1 MB at least)."""
+    n = c.shape[0]
+    gn = -(-n // bn)
+    bands = max(1, min(threads, gn, c.size >> 20))
+    if bands == 1:
+        return pow2(c, bn, bk)
+    edges = [min(n, bn * (gn * b // bands)) for b in range(bands + 1)]
+    with ThreadPoolExecutor(bands) as pool:
+        parts = list(pool.map(lambda b: pow2(c[edges[b]:edges[b + 1]], bn, bk), range(bands)))
+    return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))
