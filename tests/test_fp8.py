@@ -298,24 +298,3 @@ def test_other_bad_arguments():
     with pytest.raises(ValueError, match="dtype torch.int32"):
         fp8.repack(torch.zeros(2, 2, dtype=torch.uint8), torch.ones(1, 1, dtype=torch.int32))
 
-
-@pytest.mark.parametrize("threads", [2, 3])
-def test_pow2_bands_on_threads_give_the_one_band_bytes(repack_path, threads):
-    """The numpy body split into bands of tile rows on threads (ragged last tile row, small magnitudes that round,
-    tiles that shift and tiles that do not) returns exactly the single-band bytes, tile maxima and counts, and the
-    native body's."""
-    from vllm_moe_w8.codec import repack_numpy
-
-    g = np.random.default_rng(threads)
-    c = g.integers(0, 0x78, (3 * 128 * 3 + 37, 3072), dtype=np.uint8) | (g.integers(0, 2, (1, 3072), dtype=np.uint8) << 7)
-    c[::5, ::7] = g.integers(0, 0x10, c[::5, ::7].shape, dtype=np.uint8)  # magnitudes below 0x10 (odd ones round)
-    c[: 1024: 128, ::128] = 0x7E  # e4m3fn-only codes: those tiles shift, the others keep their bytes
-    assert c.size >> 20 >= threads  # at least one band per thread
-    one = repack_numpy.pow2(c, 128, 128)
-    banded = repack_numpy.pow2_threaded(c, 128, 128, threads)
-    assert one[1].max() >= 0x78 and (one[1] < 0x78).any() and one[2].sum() > 0  # both kinds of tile, some rounding
-    for a, b in zip(one, banded):
-        assert a.dtype == b.dtype and np.array_equal(a, b)
-    if repack_path == "native":
-        for a, b in zip(one, repack_native.pow2(c, 128, 128)):
-            assert np.array_equal(a, b)

@@ -312,16 +312,15 @@ def repack(
 
 def _repack_pow2(codes, s, block, name) -> Repacked:
     """One pass per tile row in the native library (:mod:`repack_native`, threads) where it builds; else the numpy
-    body (:mod:`repack_numpy`, a few vectorised passes, bands of tile rows on threads) -- the same bytes, tile
-    maxima and counts either way."""
+    body (:mod:`repack_numpy`, a few vectorised passes, the byte passes on torch's threads) -- the same bytes,
+    tile maxima and counts either way."""
     n, k = codes.shape
     bn, bk = block[0], block[1] or k
     c = _np_bytes(codes)
     stats = RepackStats(blocks=s.numel(), values=c.size)
     if c.size == 0:
         return Repacked(codes.contiguous(), s.contiguous(), "pow2", block, stats)
-    threads = torch.get_num_threads()
-    out, tile_max, rounded = repack_native.pow2(c, bn, bk) or repack_numpy.pow2_threaded(c, bn, bk, threads)
+    out, tile_max, rounded = repack_native.pow2(c, bn, bk) or repack_numpy.pow2(c, bn, bk)
     if int(tile_max.max()) == NAN_MAG:  # 0x7F is the largest magnitude: a tile holding it holds a NaN code
         _raise_nan(codes, name)
     shift = torch.from_numpy(tile_max >= FN_ONLY_MIN_MAG)  # [gn, gk]

@@ -12,30 +12,29 @@ over the bytes, each a plain vectorised numpy loop (no reduceat over rows, no by
    minimum says they hold one, and rounded to nearest even (:func:`vllm_moe_w8.codec.fp8.halve_codes`' rule); the odd ones in
    shifted tiles are the rounded values, counted per tile.
 
-Tile rows are independent, so :func:`pow2_threaded` splits the tile rows into bands, one per thread (numpy's
-loops release the GIL), as the native body does; the caller passes ``torch.get_num_threads()``. (Python threads
-inherit the calling thread's CPU mask: under vLLM's CPU worker, which binds that thread to one CPU, they share it.)
+The passes over every byte (1, 2 and the column minima of 3) are torch ops on the same memory
+(``torch.from_numpy``), so they run on torch's own threads, as the native body does (Python threads would compete
+with torch's OpenMP threads, which spin after every op); the sparse steps stay numpy.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
+import torch
 
 FN_ONLY_MIN_MAG = 0x78  # a tile holding a magnitude >= this is halved (as in fp8.FN_ONLY_MIN_MAG)
 SMALL_MAG = 0x10  # below: subnormal / smallest normal, halved by rounding instead of code - 8
 SEARCH_ROWS = 32  # the small magnitudes are looked for in groups of this many rows of a column
 
 
-def _column_reduce(mag: np.ndarray, bn: int, op) -> np.ndarray:
-    """[gn, k]: ``op`` (np.maximum / np.minimum) of each column over each tile row's rows (ragged last included)."""
+def _column_reduce(mag: torch.Tensor, bn: int, op) -> np.ndarray:
+    """[gn, k]: ``op`` (torch.amax / torch.amin) of each column over each tile row's rows (ragged last included)."""
     n, k = mag.shape
     full = n // bn
-    parts = [op.reduce(mag[: full * bn].reshape(full, bn, k), axis=1)] if full else []
+    parts = [op(mag[: full * bn].view(full, bn, k), dim=1)] if full else []
     if full * bn < n:
-        parts.append(op.reduce(mag[full * bn:], axis=0, keepdims=True))
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+        parts.append(op(mag[full * bn:], dim=0, keepdim=True))
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).numpy()
 
 
 def _nonzero_flat(b: np.ndarray) -> np.ndarray:
@@ -48,11 +47,12 @@ def _nonzero_flat(b: np.ndarray) -> np.ndarray:
     return idx[flat[idx]]
 
 
-def _small_positions(mag: np.ndarray, bn: int = SEARCH_ROWS) -> tuple[np.ndarray, np.ndarray]:
+def _small_positions(mag_t: torch.Tensor, bn: int = SEARCH_ROWS) -> tuple[np.ndarray, np.ndarray]:
     """(rows, cols) of every magnitude below SMALL_MAG, looking only in the (group of bn rows, column) pairs whose
     minimum says they hold one."""
-    n, k = mag.shape
-    cand = _nonzero_flat(_column_reduce(mag, bn, np.minimum) < SMALL_MAG)
+    n, k = mag_t.shape
+    mag = mag_t.numpy()
+    cand = _nonzero_flat(_column_reduce(mag_t, bn, torch.amin) < SMALL_MAG)
     if cand.size == 0:
         return cand, cand
     g, j = cand // k, cand % k
@@ -67,19 +67,22 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
     """(out bytes [n, k], tile_max uint8 [gn, gk], rounded int64 [gn, gk]) for contiguous uint8 ``c`` [n, k]."""
     n, k = c.shape
     gk = -(-k // bk)
-    mag = c & np.uint8(0x7F)
-    cmax = _column_reduce(mag, bn, np.maximum)
+    ct = torch.from_numpy(c)
+    mag_t = ct & 0x7F
+    mag = mag_t.numpy()
+    cmax = _column_reduce(mag_t, bn, torch.amax)
     tile_max = np.maximum.reduceat(cmax, np.arange(0, k, bk), axis=1)
     gn = tile_max.shape[0]
     rounded = np.zeros((gn, gk), dtype=np.int64)
     shift = tile_max >= FN_ONLY_MIN_MAG
     if not shift.any():
         return c.copy(), tile_max, rounded
-    out = c - np.uint8(8)
+    out_t = ct - 8  # uint8: wraps below 8, as numpy's does; those bytes are restored or fixed below
     if not shift.all():
-        keep = ~np.repeat(np.repeat(shift, bn, axis=0)[:n], bk, axis=1)[:, :k]
-        out[keep] = c[keep]
-    rows, cols = _small_positions(mag)
+        keep = ~torch.from_numpy(shift).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        out_t = torch.where(keep, ct, out_t)
+    out = out_t.numpy()
+    rows, cols = _small_positions(mag_t)
     if rows.size:
         tg, tk = rows // bn, cols // bk
         shifted = shift[tg, tk]
@@ -91,15 +94,3 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
         np.add.at(rounded, (tg[odd], tk[odd]), 1)
     return out, tile_max, rounded
 
-
-def pow2_threaded(c: np.ndarray, bn: int, bk: int, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`pow2` over bands of whole tile rows, up to ``threads`` at once (one band per ~1 MB at least)."""
-    n = c.shape[0]
-    gn = -(-n // bn)
-    bands = max(1, min(threads, gn, c.size >> 20))
-    if bands == 1:
-        return pow2(c, bn, bk)
-    edges = [min(n, bn * (gn * b // bands)) for b in range(bands + 1)]
-    with ThreadPoolExecutor(bands) as pool:
-        parts = list(pool.map(lambda b: pow2(c[edges[b]:edges[b + 1]], bn, bk), range(bands)))
-    return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))
