@@ -1,23 +1,20 @@
 """The pow2 repack's fallback body in numpy (used where the native one cannot be built, or with
 ``VLLM_MOE_W8_REPACK=numpy``): the same bytes, tile maxima and rounded counts as ``csrc/repack_pow2.cpp``.
 
-:func:`pow2` has the native body's contract (:func:`vllm_moe_w8.codec.repack_native.pow2`). No byte array but
-the output is made (a fresh buffer's first-touch page faults cost as much as a pass), and every pass over the
-bytes is a torch op on the same memory (``torch.from_numpy``), so it runs on torch's own threads as the native
-body does (Python threads would compete with torch's OpenMP threads, which spin after every op):
+:func:`pow2` has the native body's contract (:func:`vllm_moe_w8.codec.repack_native.pow2`). The output buffer is
+the only byte array it makes (a fresh buffer's first-touch page faults cost as much as a pass over it), and each
+pass over the bytes is a torch op on the same memory (``torch.from_numpy``), so it runs on torch's own threads as
+the native body does (Python threads would compete with torch's OpenMP threads, which spin after every op);
+the small arrays stay numpy (a torch op costs several numpy ones at that size):
 
-1. the tile maxima of the magnitudes ``c & 0x7F`` without making them: for sign-magnitude bytes the uint8
-   maximum of a column is ``0x80 |`` its largest negative magnitude (or, with no negative, its largest
-   magnitude) and the int8 maximum its largest non-negative one, so ``max(umax & 0x7F, max(imax, 0))`` is the
-   column's largest magnitude -- two column reductions per tile row (one over the band when ``bk == k``), then
-   a small reduction over each tile's columns.
-2. the same way, whether a (32-row group, column) holds a magnitude below 0x10 (the uint8 minimum is the
-   smallest non-negative magnitude, the int8 minimum ``-0x80 +`` the smallest negative one).
-3. every byte halved as a normal into the output, ``c - 8`` (exact for magnitudes >= 0x10); tiles that do not
-   shift get their bytes back (skipped when every tile shifts).
-4. the magnitudes below 0x10 (rare in real checkpoints) are gathered only from the groups step 2 flagged, and
-   those in shifted tiles are rounded to nearest even (:func:`vllm_moe_w8.codec.fp8.halve_codes`' rule); the odd
-   ones are the rounded values, counted per tile.
+1. ``2 * magnitude`` into the output buffer: ``c + c`` in uint8 drops the sign bit.
+2. its column maxima over each tile row (over the whole band when ``bk == k``) give the tile maxima; its column
+   minima over groups of 32 rows say which (group, column) pairs hold a magnitude below 0x10.
+3. every byte halved as a normal into the same buffer, ``c - 8`` (exact for magnitudes >= 0x10); tiles that do
+   not shift get their bytes back (skipped when every tile shifts).
+4. the magnitudes below 0x10 (rare in real checkpoints) are gathered only from the pairs step 2 flagged, and those
+   in shifted tiles are rounded to nearest even (:func:`vllm_moe_w8.codec.fp8.halve_codes`' rule); the odd ones
+   are the rounded values, counted per tile.
 """
 
 from __future__ import annotations
@@ -30,35 +27,26 @@ SMALL_MAG = 0x10  # below: subnormal / smallest normal, halved by rounding inste
 SEARCH_ROWS = 32  # the small magnitudes are looked for in groups of this many rows of a column
 
 
-def _reduce_rows(x: torch.Tensor, rows: int, op, flat: bool = False) -> torch.Tensor:
+def _reduce_rows(x: torch.Tensor, rows: int, op, flat: bool = False) -> np.ndarray:
     """[groups, k] (or [groups] if ``flat``): ``op`` (torch.amax / torch.amin) over each group of ``rows`` rows
     of ``x`` [n, k], a ragged last group included; ``flat`` reduces over the group's columns too."""
     n, k = x.shape
     full = n // rows
     parts = []
     if full:
-        parts.append(op(x[: full * rows].view(full, rows * k), dim=1) if flat else op(x[: full * rows].view(full, rows, k), dim=1))
+        body = x[: full * rows]
+        parts.append(op(body.view(full, rows * k), dim=1) if flat else op(body.view(full, rows, k), dim=1))
     if full * rows < n:
         rest = x[full * rows:]
         parts.append(op(rest.reshape(1, -1), dim=1) if flat else op(rest, dim=0, keepdim=True))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).numpy()
 
 
-def _magnitude_max(ct: torch.Tensor, bn: int, flat: bool) -> np.ndarray:
-    """The largest magnitude of each (tile row, column) of uint8 ``ct`` (or of each tile row if ``flat``)."""
-    umax = _reduce_rows(ct, bn, torch.amax, flat)
-    imax = _reduce_rows(ct.view(torch.int8), bn, torch.amax, flat)
-    return np.maximum(umax.numpy() & 0x7F, np.maximum(imax.numpy(), 0).view(np.uint8))
-
-
-def _small_positions(c: np.ndarray, ct: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, cols) of every magnitude below SMALL_MAG, gathered only from the (group of SEARCH_ROWS rows, column)
-    pairs whose uint8 or int8 minimum says they hold one (the small arrays in numpy: torch's uint8 compare and
-    nonzero are not vectorised)."""
+def _small_positions(c: np.ndarray, flagged: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, cols) of every magnitude below SMALL_MAG in the (group of SEARCH_ROWS rows, column) pairs
+    ``flagged`` [groups, k] marks (a column of a group is one row of the transposed view: one gather)."""
     n, k = c.shape
-    umin = _reduce_rows(ct, SEARCH_ROWS, torch.amin).numpy()
-    imin = _reduce_rows(ct.view(torch.int8), SEARCH_ROWS, torch.amin).numpy()
-    cand = np.flatnonzero((umin < SMALL_MAG) | (imin < -0x80 + SMALL_MAG))
+    cand = np.flatnonzero(flagged)
     if cand.size == 0:
         return cand, cand
     g, j = np.divmod(cand, k)
@@ -66,8 +54,8 @@ def _small_positions(c: np.ndarray, ct: torch.Tensor) -> tuple[np.ndarray, np.nd
     rows, cols = [], []
     last = g >= full  # candidates in the ragged last group
     gf, jf = (g[~last], j[~last]) if last.any() else (g, j)
-    if gf.size:  # [candidates, SEARCH_ROWS]: a group's column is one row of the transposed view
-        group = c[: full * SEARCH_ROWS].reshape(full, SEARCH_ROWS, k).transpose(0, 2, 1)[gf, jf]
+    if gf.size:
+        group = c[: full * SEARCH_ROWS].reshape(full, SEARCH_ROWS, k).transpose(0, 2, 1)[gf, jf]  # [cand, 32]
         ci, ri = np.nonzero((group & 0x7F) < SMALL_MAG)
         rows.append(gf[ci] * SEARCH_ROWS + ri)
         cols.append(jf[ci])
@@ -85,11 +73,11 @@ def _restore(ct: torch.Tensor, out_t: torch.Tensor, keep: np.ndarray, bn: int, b
     cols = torch.from_numpy(np.repeat(keep, bk, axis=1)[:, :k].copy())  # [gn, k]
     full = n // bn
     if full:
-        m = cols[:full, None, :]
-        src, dst = ct[: full * bn].view(full, bn, k), out_t[: full * bn].view(full, bn, k)
-        torch.where(m, src, dst, out=dst)
+        dst = out_t[: full * bn].view(full, bn, k)
+        torch.where(cols[:full, None, :], ct[: full * bn].view(full, bn, k), dst, out=dst)
     if full * bn < n:
-        torch.where(cols[full:], ct[full * bn:], out_t[full * bn:], out=out_t[full * bn:])
+        dst = out_t[full * bn:]
+        torch.where(cols[full:], ct[full * bn:], dst, out=dst)
 
 
 def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -97,21 +85,24 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
     n, k = c.shape
     gk = -(-k // bk)
     ct = torch.from_numpy(c)
+    out = np.empty_like(c)
+    out_t = torch.from_numpy(out)
+    torch.add(ct, ct, out=out_t)  # 2 * magnitude
     if bk >= k:
-        tile_max = _magnitude_max(ct, bn, flat=True)[:, None]
+        tile_max = (_reduce_rows(out_t, bn, torch.amax, flat=True) >> 1)[:, None]
     else:
-        tile_max = np.maximum.reduceat(_magnitude_max(ct, bn, flat=False), np.arange(0, k, bk), axis=1)
+        tile_max = np.maximum.reduceat(_reduce_rows(out_t, bn, torch.amax) >> 1, np.arange(0, k, bk), axis=1)
     gn = tile_max.shape[0]
     rounded = np.zeros((gn, gk), dtype=np.int64)
     shift = tile_max >= FN_ONLY_MIN_MAG
     if not shift.any():
-        return c.copy(), tile_max, rounded
-    out = np.empty_like(c)
-    out_t = torch.from_numpy(out)
+        out_t.copy_(ct)
+        return out, tile_max, rounded
+    flagged = _reduce_rows(out_t, SEARCH_ROWS, torch.amin) < 2 * SMALL_MAG
     torch.sub(ct, 8, out=out_t)  # uint8: wraps below 8; those bytes are restored or fixed below
     if not shift.all():
         _restore(ct, out_t, ~shift, bn, bk)
-    rows, cols = _small_positions(c, ct)
+    rows, cols = _small_positions(c, flagged)
     if rows.size:
         tg, tk = rows // bn, cols // bk
         shifted = shift[tg, tk]
