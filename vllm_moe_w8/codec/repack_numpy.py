@@ -106,11 +106,13 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
     if rows.size:
         tg, tk = rows // bn, cols // bk
         shifted = shift[tg, tk]
-        rows, cols, tg, tk = rows[shifted], cols[shifted], tg[shifted], tk[shifted]
-        v = c[rows, cols]
+        if not shifted.all():
+            rows, cols, tg, tk = rows[shifted], cols[shifted], tg[shifted], tk[shifted]
+        idx = rows * k + cols
+        v = c.ravel().take(idx)
         m = v & 0x7F
         half = m >> 1
-        out[rows, cols] = (half + (m & half & 1)) | (v & 0x80)  # round half to even
-        odd = (m & 1) == 1
+        out.ravel()[idx] = (half + (m & half & 1)) | (v & 0x80)  # round half to even
+        odd = (m & 1).astype(bool)
         rounded += np.bincount(tg[odd] * gk + tk[odd], minlength=gn * gk).reshape(gn, gk)
     return out, tile_max, rounded
