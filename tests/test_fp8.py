@@ -239,6 +239,38 @@ def test_blocks_without_fn_only_codes_are_untouched():
     assert torch.equal(r.scales, scale.float()) and r.stats.blocks_shifted == 0
 
 
+@pytest.mark.parametrize("block", [(128, 128), (16, 16), (64, 0), (1, 0)])
+def test_pow2_edges_match_ml_dtypes_halving(block):
+    """Ragged last tile row and column, tiles that do not shift beside ones that do, whole-row tiles (bk == k),
+    and magnitudes below 0x10 of both signs everywhere (ragged last 32-row group and unshifted tiles included):
+    each tile's bytes are ml_dtypes' halving (round half to even) or untouched, and the counts agree."""
+    rng = np.random.default_rng(11)
+    n, k = 300, 260
+    mag = rng.integers(0x10, 0x7F, size=(n, k), dtype=np.uint8)
+    small = rng.random((n, k)) < 0.02
+    small[n - 5:, :40] = True  # the ragged last group of 32 rows and the ragged last tile row
+    mag[small] = rng.integers(0, 0x10, size=int(small.sum()), dtype=np.uint8)
+    grid = fp8.grid_shape((n, k), block)
+    bn, bk = block[0], block[1] or k
+    keep = np.zeros(grid, dtype=bool)
+    keep.ravel()[::3] = True  # every third tile holds no e4m3fn-only code: it must not shift
+    for gi, gj in zip(*np.nonzero(keep)):
+        tile = mag[gi * bn:(gi + 1) * bn, gj * bk:(gj + 1) * bk]
+        np.minimum(tile, 0x77, out=tile)
+    codes = mag | (rng.integers(0, 2, size=(n, k), dtype=np.uint8) << 7).astype(np.uint8)
+    r = fp8.repack(torch.from_numpy(codes), random_scale(grid, torch.float32, rng), "pow2", block=block)
+
+    halved = (ml_decode(FINITE_FN, ml_dtypes.float8_e4m3fn) / 2).astype(ml_dtypes.float8_e4m3).view(np.uint8)
+    table = np.zeros(256, dtype=np.uint8)
+    table[FINITE_FN] = halved
+    shifted_el = np.repeat(np.repeat(~keep, bn, 0)[:n], bk, 1)[:, :k]
+    np.testing.assert_array_equal(r.codes.numpy(), np.where(shifted_el, table[codes], codes))
+    assert r.stats.blocks_shifted == int((~keep).sum())
+    rounded = shifted_el & (mag < 0x10) & (mag % 2 == 1)
+    assert rounded.any() and (small & ~shifted_el).any()  # both kinds of small magnitudes are present
+    assert r.stats.values_changed == int(rounded.sum())
+
+
 def test_refined_grid_is_exact():
     """A 64-row tile grid (TP shards of 192 rows) gives the same values as the 128 grid it refines."""
     rng = np.random.default_rng(4)

@@ -205,6 +205,9 @@ def resolve_block(shape: tuple[int, int], scale_shape: tuple[int, ...], block: t
     return block  # mismatch: reported by _check_scales with the expected grid
 
 
+_SCALE_OK_MAX = float(np.finfo(np.float32).max) / E4M3FN_MAX  # s <= this: s * 448 is finite in float32
+
+
 def _check_scales(scale: torch.Tensor, shape, block, name) -> torch.Tensor:
     if scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"scale{_where(name)} has dtype {scale.dtype}; expected float32, bfloat16 or float16")
@@ -218,6 +221,9 @@ def _check_scales(scale: torch.Tensor, shape, block, name) -> torch.Tensor:
             f"expected {expected} (or [N, 1] per-channel); check weight_block_size and that the scale belongs to this weight"
         )
     s = scale.float()
+    sn = s.detach().cpu().numpy()
+    if np.all((sn > 0) & (sn <= _SCALE_OK_MAX)):  # the usual case, in numpy (cheaper than torch on small grids)
+        return s  # (conservative: anything else is judged exactly below)
     bad = ~torch.isfinite(s) | (s <= 0)
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
@@ -323,15 +329,16 @@ def _repack_pow2(codes, s, block, name) -> Repacked:
     out, tile_max, rounded = repack_native.pow2(c, bn, bk) or repack_numpy.pow2(c, bn, bk)
     if int(tile_max.max()) == NAN_MAG:  # 0x7F is the largest magnitude: a tile holding it holds a NaN code
         _raise_nan(codes, name)
-    shift = torch.from_numpy(tile_max >= FN_ONLY_MIN_MAG)  # [gn, gk]
-    rounded = torch.from_numpy(rounded)  # counted in shifted tiles only
-    stats.blocks_shifted = int(shift.sum())
-    stats.values_changed = int(rounded.sum())
+    # The small [gn, gk] arrays in numpy: a torch op costs several times a numpy one at this size.
+    shift = tile_max >= FN_ONLY_MIN_MAG
+    sn = s.detach().cpu().numpy()
+    stats.blocks_shifted = int(np.count_nonzero(shift))
+    stats.values_changed = int(rounded.sum())  # counted in shifted tiles only
     if stats.values_changed:
         # A rounded value moves by half a unit of 2**-9 at the doubled scale: 2**-10 * 2s = 2**-9 * s.
-        stats.max_abs_error = float(s[rounded > 0].max()) * 2.0**-9
-    new_s = torch.where(shift, s * 2.0, s)  # exact: _check_scales refused scales with s * 448 = inf
-    return Repacked(torch.from_numpy(out), new_s.contiguous(), "pow2", block, stats)
+        stats.max_abs_error = float(sn[rounded > 0].max()) * 2.0**-9
+    new_s = np.where(shift, sn * np.float32(2.0), sn)  # exact: _check_scales refused scales with s * 448 = inf
+    return Repacked(torch.from_numpy(out), torch.from_numpy(new_s), "pow2", block, stats)
 
 
 def _repack_output_block(codes, s, block, name) -> Repacked:
