@@ -245,9 +245,15 @@ def _np_bytes(codes: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(_as_bytes(codes).detach().cpu().numpy())
 
 
+NAN_SCAN_CHUNK = 1 << 16  # bytes per step: the temporaries stay below malloc's mmap threshold (no page faults)
+
+
 def _has_nan_code(codes: torch.Tensor) -> bool:
-    c = _np_bytes(codes)
-    return bool(np.any((c & 0x7F) == NAN_MAG))  # numpy: uint8 elementwise is vectorised, torch's is not
+    flat = _np_bytes(codes).reshape(-1)
+    for i in range(0, flat.size, NAN_SCAN_CHUNK):  # numpy: uint8 elementwise is vectorised, torch's is not
+        if np.any((flat[i:i + NAN_SCAN_CHUNK] & 0x7F) == NAN_MAG):
+            return True
+    return False
 
 
 def count_nan_codes(codes: torch.Tensor) -> int:
