@@ -9,7 +9,8 @@
 // needs H_PLANES=0); NT (threads, default 1: an OpenMP team, as in the op; bind it as vLLM does with
 // OMP_PLACES="{0},{1}" OMP_PROC_BIND=true OMP_NUM_THREADS=2); NT_B (B's threads, default NT: the same .so as A and B
 // with NT=1 NT_B=2 gives the two-thread scaling as a paired ratio, both sides under the same load); AB_STREAM=1 adds
-// one plain read of exactly the routed experts' codes (the memory floor of a call).
+// one plain read of exactly the routed experts' codes (the memory floor of a call); AB_FLUSH=1 reads 64 MiB of other
+// memory before every call (a cold L3, as in bench_moe_op; see below).
 //   F="-O3 -std=c++17 -shared -fPIC -fopenmp -fno-math-errno"   # cxx_build.COMMON_FLAGS, plus the variant's flags:
 //   g++ $F -mavx2 -mfma -mf16c -o /tmp/new.so vllm_moe_w8/op/csrc/moe_avx2.cpp     # or, for avx512bf16:
 //   g++ $F -mavx512f -mavx512bw -mavx512vl -mavx512vbmi -mavx512bf16 -mfma -o /tmp/new.so vllm_moe_w8/op/csrc/moe_avx512bf16.cpp
@@ -75,6 +76,11 @@ int main(int argc, char** argv) {
   std::normal_distribution<float> normal(0.f, 1.f);
   for (auto& s : s13) s = scale(g);
   for (auto& s : s2) s = scale(g);
+  // AB_FLUSH=1: before every call, read 64 MiB of other memory (evicts the L3, as a model's other layers and vLLM's
+  // kernel do between the op's calls in bench_moe_op; otherwise the second call of a repetition, same routing, finds
+  // part of the first call's codes in the L3 -- fair to A and B, as the order alternates, but optimistic)
+  const bool flush = getenv("AB_FLUSH") != nullptr;
+  std::vector<uint8_t> flush_buf(flush ? (64 << 20) : 0, 1);
   double load[3];
   getloadavg(load, 3);
   printf("H %ld I %ld E %ld top-%ld, x planes %d, h planes %d, %d thread(s) (B: %d), %d reps, load %.2f\n", H, I, E, K,
@@ -95,6 +101,12 @@ int main(int argc, char** argv) {
       for (int o = 0; o < 2; ++o) {
         const int i = (rep & 1) ? 1 - o : o;
         std::fill(out[i].begin(), out[i].end(), 0.f);
+        if (flush) {
+          __m256i acc = _mm256_setzero_si256();
+          for (size_t q = 0; q < flush_buf.size(); q += 32)
+            acc = _mm256_add_epi8(acc, _mm256_loadu_si256((const __m256i*)(flush_buf.data() + q)));
+          sink += _mm256_extract_epi8(acc, 5);
+        }
         int64_t bad = 0;
         const double c0 = now(CLOCK_PROCESS_CPUTIME_ID), w0 = now(CLOCK_MONOTONIC);
         const int rc = f[i](x.data(), x_planes, h_planes, T, H, I, E, w13, s13.data(), w2, s2.data(), ids.data(), 1,
