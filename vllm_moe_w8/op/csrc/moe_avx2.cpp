@@ -355,7 +355,17 @@ int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_
   };
   auto make = [&] { return Scratch{std::vector<float>(kPanelRows * std::max(H, I)), {}, {}, {}}; };
   // Phase 1: h[p, i] = silu(gate_i . x_p) * (up_i . x_p); items (expert, chunk of rows).
-  auto phase1 = [&](int64_t item, Scratch& s) {
+  // Claim order of the phase-1 items: round robin over `threads` contiguous bands of (expert, chunk) items, so the
+  // team's threads, claiming in turn, stream separate experts (codes far apart) rather than neighbouring row chunks
+  // of one expert; any claim order is correct (each item once), this one only spreads the memory streams.
+  std::vector<int64_t> order1;
+  order1.reserve(items1);
+  const int64_t band = (items1 + threads - 1) / threads;
+  for (int64_t q = 0; q < band; ++q)
+    for (int64_t b = 0; b < threads; ++b)
+      if (b * band + q < std::min(items1, (b + 1) * band)) order1.push_back(b * band + q);
+  auto phase1 = [&](int64_t claim, Scratch& s) {
+    const int64_t item = order1[claim];
     const int64_t a = item / chunks1, c = item % chunks1;
     const int64_t e = experts[a];
     const int64_t p0 = offsets[a], cnt = offsets[a + 1] - p0;
