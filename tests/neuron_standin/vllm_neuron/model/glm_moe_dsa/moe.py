@@ -16,10 +16,8 @@
   (the decoder layer all-reduces)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .block_fp8 import BlockFP8Linear
 from .mlp import GlmMoeDsaSwiGLUMLP
 
 
@@ -54,20 +52,11 @@ class GlmMoeDsaNoAuxRouter(nn.Module):
         return affinities, selected
 
 
-class GlmMoeDsaExpertMLP(nn.Module):
-    def __init__(self, hidden_size, intermediate_size, *, fp8_weights=False, dtype=torch.bfloat16, device=None):
-        super().__init__()
-        if fp8_weights:
-            self.gate_proj = BlockFP8Linear(hidden_size, intermediate_size, device=device)
-            self.up_proj = BlockFP8Linear(hidden_size, intermediate_size, device=device)
-            self.down_proj = BlockFP8Linear(intermediate_size, hidden_size, device=device)
-        else:
-            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
-            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
-            self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+class GlmMoeDsaExpertMLP(GlmMoeDsaSwiGLUMLP):
+    """One whole routed expert: the SwiGLU MLP unsharded (TP 1, so no block offsets)."""
 
-    def forward(self, hidden_states):
-        return self.down_proj(F.silu(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+    def __init__(self, hidden_size, intermediate_size, *, fp8_weights=False, dtype=torch.bfloat16, device=None):
+        super().__init__(hidden_size, intermediate_size, fp8_weights=fp8_weights, dtype=dtype, device=device)
 
 
 class GlmMoeDsaRoutedExperts(nn.Module):
