@@ -330,3 +330,21 @@ def test_other_bad_arguments():
     with pytest.raises(ValueError, match="dtype torch.int32"):
         fp8.repack(torch.zeros(2, 2, dtype=torch.uint8), torch.ones(1, 1, dtype=torch.int32))
 
+
+
+@pytest.mark.parametrize("where", ["first", "chunk_edge", "last"])
+def test_nan_codes_are_found_in_every_step_of_the_scan(where):
+    """The lut/output-block NaN check scans the bytes in fp8.NAN_SCAN_CHUNK steps: a NaN code in the first step,
+    the first byte after a step boundary, or the ragged last step is refused (ml_dtypes says the byte is NaN); the
+    same tensor without it repacks."""
+    n, k = 512, 257  # 131,584 bytes: two full steps and a ragged third
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    assert codes.numel() > 2 * fp8.NAN_SCAN_CHUNK and codes.numel() % fp8.NAN_SCAN_CHUNK
+    scales = torch.ones(4, 3)  # 128x128 blocks
+    fp8.repack(codes, scales, mode="lut", name=NAME)
+    flat = {"first": 5, "chunk_edge": fp8.NAN_SCAN_CHUNK, "last": n * k - 1}[where]
+    codes.view(-1)[flat] = 0x7F
+    assert np.isnan(codes.view(-1)[flat: flat + 1].numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)[0])
+    with pytest.raises(ValueError, match="NaN") as e:
+        fp8.repack(codes, scales, mode="lut", name=NAME)
+    assert NAME in str(e.value)
