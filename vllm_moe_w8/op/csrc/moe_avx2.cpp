@@ -16,6 +16,9 @@
 //   phase 2: work item = chunk of hidden rows of W2 (output columns), looping over the routed experts: the rows
 //            times h of the expert's pairs, weight * y accumulated into the float32 output (each item owns its
 //            output columns: no races). Never a whole expert is dequantised.
+//   lone pairs (an expert routed to one pair: nearly all of them at T <= 8): rows are decoded four at a time from
+//   four sequential streams of codes (lone_tiles; phase 1: gate and up rows i and i + n/2 of the item, phase 2: row
+//   n of four such experts), and decoding uses longer work items: more memory traffic in flight per thread.
 
 #include <immintrin.h>
 
@@ -43,6 +46,22 @@ constexpr int kTokenBlock = 36;   // tokens whose inputs stay in L2 while a pane
 constexpr int64_t kPanelCols = 512;             // panel columns decoded at once (4 x 512 float32: 8 KiB, L1)
 constexpr int kFusedTokens = MOE_FUSED_TOKENS;  // at most this many tokens: decode into registers, no panel
 constexpr int64_t kPrefetch = MOE_PREFETCH;     // bytes of codes ahead (fused path), one prefetch per line and row
+#ifndef MOE_LONE_PREFETCH
+#define MOE_LONE_PREFETCH 512
+#endif
+#ifndef MOE_ROW_TILE
+#define MOE_ROW_TILE 4
+#endif
+constexpr int64_t kLonePrefetch = MOE_LONE_PREFETCH;  // bytes of codes ahead per stream (lone pairs)
+constexpr int kRowTile = MOE_ROW_TILE;  // rows of lone pairs decoded together, one stream each
+#ifndef MOE_DECODE_CHUNK1
+#define MOE_DECODE_CHUNK1 512
+#endif
+#ifndef MOE_DECODE_CHUNK2
+#define MOE_DECODE_CHUNK2 256
+#endif
+constexpr int64_t kDecodeChunk1 = MOE_DECODE_CHUNK1;  // most rows per phase-1 / phase-2 work item when decoding
+constexpr int64_t kDecodeChunk2 = MOE_DECODE_CHUNK2;
 
 struct Matrix {  // one expert matrix [N, K] of codes with its scale grid
   const uint8_t* codes;
@@ -252,6 +271,74 @@ inline void fused_dot_any(int rows, int count, const Matrix& m, int64_t n, const
   }
 }
 
+// One row of a lone pair's dot product (an expert routed to one pair): its codes, its scale row, its input.
+struct RowTask {
+  const uint8_t* codes;
+  const float* scales;
+  const float* x;
+};
+
+// res[r] = dot(rows[r]) for R rows of k_len codes (scale tiles of bk columns), decoded in registers. The R rows are
+// R independent streams of codes: more loads, conversions and FMA chains in flight than one row's (one row at a
+// time streamed 10.5 GB/s here, vLLM's BF16 kernel 15.8). Per row and tile, two partial sums (the low and the high 8
+// of every 16 columns) multiplied by 256 * scale: one summation order per row, whatever R and its neighbours are.
+template <int R>
+inline void lone_rows(const RowTask* rows, int64_t k_len, int64_t bk, float* res) {
+  __m256 tot[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
+  for (int64_t kb = 0, b = 0; kb < k_len; kb += bk, ++b) {
+    const int64_t kend = std::min(kb + bk, k_len);
+    __m256 lo[R], hi[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    auto step = [&](int64_t k) __attribute__((always_inline)) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i w = decode16(rows[r].codes + k);
+        lo[r] = _mm256_fmadd_ps(half_lo(w), _mm256_loadu_ps(rows[r].x + k), lo[r]);
+        hi[r] = _mm256_fmadd_ps(half_hi(w), _mm256_loadu_ps(rows[r].x + k + 8), hi[r]);
+      }
+    };
+    int64_t k = kb;
+    for (; k + 64 <= kend; k += 64) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R && kLonePrefetch > 0; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(rows[r].codes + k + kLonePrefetch), _MM_HINT_T0);
+      step(k);
+      step(k + 16);
+      step(k + 32);
+      step(k + 48);
+    }
+    for (; k < kend; k += 16) step(k);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      tot[r] = _mm256_fmadd_ps(_mm256_add_ps(lo[r], hi[r]), _mm256_set1_ps(rows[r].scales[b] * 256.0f), tot[r]);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) res[r] = hsum(tot[r]);
+}
+
+// Rows of lone pairs, kRowTile at a time: task(f) is row f's RowTask, emit(f, value) takes its dot product, for f in
+// [0, total). Callers order the rows so that each tile's rows come from different streams of codes (other matrices,
+// or rows far apart) and each stream goes on in the next tile: the hardware prefetcher follows sequential streams.
+template <class Task, class Emit>
+void lone_tiles(int64_t total, int64_t k_len, int64_t bk, Task task, Emit emit) {
+  RowTask rows[kRowTile];
+  float res[kRowTile];
+  for (int64_t f0 = 0; f0 < total; f0 += kRowTile) {
+    const int count = static_cast<int>(std::min<int64_t>(kRowTile, total - f0));
+    for (int r = 0; r < count; ++r) rows[r] = task(f0 + r);
+    switch (count) {
+      case 1: lone_rows<1>(rows, k_len, bk, res); break;
+      case 2: lone_rows<2>(rows, k_len, bk, res); break;
+      case 3: lone_rows<3>(rows, k_len, bk, res); break;
+      default: lone_rows<4>(rows, k_len, bk, res); break;
+    }
+    for (int r = 0; r < count; ++r) emit(f0 + r, res[r]);
+  }
+}
+
 // Splits n items into ceil(n / most) parts as equal as possible; part q is [start(q), start(q + 1)).
 struct EvenSplit {
   int64_t parts, base, extra;
@@ -341,10 +428,12 @@ int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_
   std::unique_ptr<float[]> h_store(new float[P * I]);  // every row written in phase 1
   float* h = h_store.get();
 
-  const int64_t chunk1 = phase1_chunk(n_active, I, nthreads, kPanelRows * 2);
+  // Decode (every expert on the register path): longer work items, i.e. longer sequential streams of codes per item.
+  const bool decode = P <= kFusedTokens * n_active;
+  const int64_t chunk1 = phase1_chunk(n_active, I, nthreads, kPanelRows * 2, decode ? kDecodeChunk1 : 64);
   const int64_t chunks1 = (I + chunk1 - 1) / chunk1;
   const int64_t items1 = n_active * chunks1;
-  const int64_t chunk2 = phase2_chunk(H, nthreads, kPanelRows * 2);
+  const int64_t chunk2 = phase2_chunk(H, nthreads, kPanelRows * 2, decode ? kDecodeChunk2 : 64);
   const int64_t items2 = (H + chunk2 - 1) / chunk2;
   const int threads = threads_for(n_active, H, I, nthreads);
 
@@ -378,19 +467,47 @@ int moe_w8_forward(const float* x, int x_planes, int h_planes, int64_t T, int64_
     const Matrix u{w13 + (e * 2 * I + I) * H, w13_s + (e * 2 * gI + gI) * gH, H, bn, bk, gH};
     float* gp = s.gate.data();
     float* upp = s.up.data();
-    matmul_rows(g, i0, i1, s.xs.data(), cnt, s.panel.data(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
-    matmul_rows(u, i0, i1, s.xs.data(), cnt, s.panel.data(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
+    if (cnt == 1) {  // tiles of gate row i, up row i, gate row i + ni/2, up row i + ni/2: four sequential streams
+      const int64_t half = ni / 2;  // ni is a multiple of 8
+      auto row = [&](int64_t f) { return i0 + f / 4 + (f % 4 >= 2 ? half : 0); };
+      lone_tiles(2 * ni, H, bk ? bk : H,
+                 [&](int64_t f) {
+                   const Matrix& m = f % 2 ? u : g;
+                   return RowTask{m.codes + row(f) * H, m.scales + (row(f) / bn) * gH, s.xs[0]};
+                 },
+                 [&](int64_t f, float v) { (f % 2 ? upp : gp)[row(f) - i0] = v; });
+    } else {
+      matmul_rows(g, i0, i1, s.xs.data(), cnt, s.panel.data(), [&](int64_t j, int64_t n, float v) { gp[j * ni + (n - i0)] = v; });
+      matmul_rows(u, i0, i1, s.xs.data(), cnt, s.panel.data(), [&](int64_t j, int64_t n, float v) { upp[j * ni + (n - i0)] = v; });
+    }
     for (int64_t j = 0; j < cnt; ++j) {
       float* hrow = h + (p0 + j) * I + i0;
       for (int64_t i = 0; i < ni; ++i) hrow[i] = silu_mul(gp[j * ni + i], upp[j * ni + i], swiglu_limit);
     }
   };
-  // Phase 2 (every h row complete): out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n.
+  // Phase 2 (every h row complete): out[t, n] += w_p * (down_n . h_p), items own disjoint column ranges n. Experts
+  // with one pair: tiles of row n of kRowTile such experts (one sequential stream each), then row n + 1; the others
+  // one by one.
+  std::vector<int64_t> lone;
+  for (int64_t a = 0; a < n_active; ++a)
+    if (offsets[a + 1] - offsets[a] == 1) lone.push_back(a);
   auto phase2 = [&](int64_t item, Scratch& s) {
     const int64_t n0 = item * chunk2, n1 = std::min(H, n0 + chunk2);
+    for (size_t g0 = 0; g0 < lone.size(); g0 += kRowTile) {
+      const int64_t members = std::min<int64_t>(kRowTile, lone.size() - g0);
+      auto row = [&](int64_t f) { return n0 + f / members; };
+      auto pair = [&](int64_t f) { return offsets[lone[g0 + f % members]]; };
+      lone_tiles((n1 - n0) * members, I, bk ? bk : I,
+                 [&](int64_t f) {
+                   const int64_t e = experts[lone[g0 + f % members]];
+                   return RowTask{w2 + (e * H + row(f)) * I, w2_s + (e * gH2 + row(f) / bn) * gI2, h + pair(f) * I};
+                 },
+                 [&](int64_t f, float v) { out[pair_tokens[pair(f)] * H + row(f)] += pair_weights[pair(f)] * v; });
+    }
     for (int64_t a = 0; a < n_active; ++a) {
       const int64_t e = experts[a];
       const int64_t p0 = offsets[a], cnt = offsets[a + 1] - p0;
+      if (cnt == 1) continue;
       s.xs.resize(cnt);
       for (int64_t j = 0; j < cnt; ++j) s.xs[j] = h + (p0 + j) * I;
       const Matrix d{w2 + e * H * I, w2_s + e * gH2 * gI2, I, bn, bk, gI2};
