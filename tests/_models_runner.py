@@ -2,11 +2,12 @@
 and writes what the tests judge (prompt logprobs, greedy tokens, errors) to a JSON file.
 
 Run as ``python _models_runner.py ARGS.json OUT.json``. ARGS: {"runs": [{"name", "model", "llm": {...},
-"dense_mla": bool, "rope_fix": bool, "moe_isa": "vec"}], "prompts": [str], "prompt_sets": [[str]], "max_tokens": int,
+"dense_mla": bool, "rope_fix": bool, "moe_isa": "vec", "env": {name: value}}], "prompts": [str], "prompt_sets": [[str]], "max_tokens": int,
 "max_model_len": int}.
 Every run is independent: a run that fails records its error and the next one still starts. Results are written
 after every run, so a child that aborts at shutdown (vLLM's CPU build at TP=2) has already delivered them.
 
+``env`` (optional): environment variables set for that run only (e.g. ``VLLM_MOE_W8_CPU_KERNEL``).
 ``prompt_sets`` (optional): after ``prompts``, each set is one more ``generate`` call, recorded under ``"sets"``
 (prompt logprobs per prompt). With the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the
 tests set) every prompt of one call is queued before the first engine step, so each call is scheduled as one batch,
@@ -17,7 +18,8 @@ vLLM's CPU kernel choices depend on the CPU (AMX hosts get other kernels), so ev
 (engine core in this process only): ``"attention_backends"`` (the attention backend classes
 ``CpuPlatform.get_attn_backend_cls`` returned), ``"attention_isas"`` (``cpu_attn._get_attn_isa``) and ``"moe_isas"``
 (the ``isa`` of every ``cpu_fused_moe`` call: vLLM's own unquantised MoE; empty under neuron-w8, whose op is its
-own), and ``"routing"``: the expert ids each MoE layer chose for every prompt token in the first ``generate``
+own), ``"w8_cpu_kernels"`` (what each neuron-w8 routed-experts call ran: ``"op"``, the plugin's op, or
+``"vllm-fp8"``, vLLM's FP8 kernel, vllm_glue/cpu_vllm_fp8.py), and ``"routing"``: the expert ids each MoE layer chose for every prompt token in the first ``generate``
 call's prefill (vLLM's ``cpu_fused_moe`` and neuron-w8's ``op.cpu.fused_moe_cpu`` record them).
 ``"moe_isa": "vec"`` pins vLLM's unquantised MoE to its portable ``"vec"`` kernel for that run (on AMX hosts vLLM would pick ``X86CPUUnquantizedExperts``, isa ``"amx"``; elsewhere it picks ``"vec"`` anyway): the
 architecture-specific experts classes report the device unsupported, so vLLM's own oracle selects
@@ -61,7 +63,7 @@ def _prompt_logprobs(output) -> list[float]:
     return out
 
 
-_picked: dict[str, list] = {"attention_backends": [], "attention_isas": [], "moe_isas": []}
+_picked: dict[str, list] = {"attention_backends": [], "attention_isas": [], "moe_isas": [], "w8_cpu_kernels": []}
 # topk_ids of every routed-experts call in this process (vLLM's cpu_fused_moe and neuron-w8's op), for the routing
 # each run chose: the accuracy gate sets aside the positions where two runs routed differently (near-ties).
 _routing: list = []
@@ -100,10 +102,22 @@ def _record_kernel_choices() -> None:
     w8_op = op_cpu.fused_moe_cpu  # what the plugin's custom op calls on CPU (op/custom_op.py), every implementation
 
     def fused_moe_cpu(*a, **kw):
+        _picked["w8_cpu_kernels"].append("op")
         _routing.append((kw["topk_ids"] if "topk_ids" in kw else a[2]).tolist())
         return w8_op(*a, **kw)
 
     op_cpu.fused_moe_cpu = fused_moe_cpu
+
+    from vllm_moe_w8.vllm_glue import cpu_vllm_fp8
+
+    fp8_forward = cpu_vllm_fp8.forward  # the MoE method's path where it runs vLLM's FP8 kernel (cpu_vllm_fp8.decide)
+
+    def vllm_fp8_forward(*a, **kw):
+        _picked["w8_cpu_kernels"].append("vllm-fp8")
+        _routing.append((kw["topk_ids"] if "topk_ids" in kw else a[2]).tolist())
+        return fp8_forward(*a, **kw)
+
+    cpu_vllm_fp8.forward = vllm_fp8_forward
 
 
 def _prefill_routing(prompt_lens: list[int]) -> list:
@@ -152,6 +166,8 @@ def run(args: dict, out_path: str) -> None:
 
         selector._cached_get_attn_backend.cache_clear()  # each run asks the platform again (so it is recorded)
         pinned = []
+        saved_env = {key: os.environ.get(key) for key in spec.get("env", {})}
+        os.environ.update(spec.get("env", {}))
         try:
             pinned = _pin_moe_isa(spec.get("moe_isa"))
             llm = LLM(model=spec["model"], **kwargs)
@@ -171,6 +187,11 @@ def run(args: dict, out_path: str) -> None:
             entry["traceback"] = traceback.format_exc()[-4000:]
         for cls, original in pinned:
             cls._supports_current_device = original
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         entry.update({key: sorted(set(picks)) for key, picks in _picked.items()})
         results[spec["name"]] = entry
         with open(out_path, "w") as f:

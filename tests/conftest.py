@@ -57,6 +57,12 @@ def this_cpu_flags() -> frozenset[str]:
     return cpu_flags()
 
 
+# The routed experts' CPU kernel is named, not left to the host: on an AMX host VLLM_MOE_W8_CPU_KERNEL=auto would run
+# vLLM's FP8 kernel (vllm_glue/cpu_vllm_fp8.py) wherever the layout fits, elsewhere the plugin's op, so every test and
+# every child it starts runs the op unless it asks for vLLM's kernel by name (tests/test_cpu_vllm_fp8.py, the
+# accuracy gate's vllm-fp8 run).
+os.environ.setdefault("VLLM_MOE_W8_CPU_KERNEL", "native")
+
 CPU_FLAGS = this_cpu_flags()
 CPU_VARIANT = cpu_variant(CPU_FLAGS)
 CPU_LINE = cpu_variant_line(CPU_FLAGS, cpu_model())

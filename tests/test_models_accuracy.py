@@ -94,6 +94,12 @@ CASES = {
 }
 
 
+# The cases served once more with the routed experts on vLLM's own FP8 W8A16 kernel (VLLM_MOE_W8_CPU_KERNEL=vllm-fp8;
+# what auto picks on AMX hosts where the layout fits: 128 x 128 tiles, I a multiple of 128, BF16 activations). It
+# rounds to BF16 where the op does not, like the twin's BF16 activations, so the BF16 gate applies unchanged.
+VLLM_FP8_CASES = ("qwen3.5-moe-block",)
+VLLM_FP8_RUN = "neuron-w8-vllm-fp8"
+
 # Broken copies served next to each case, in the same child (one more engine start each): the gate must
 # refuse them. A checkpoint's own fault passes the load-time self-check (the plugin serves what the file
 # says), so only the accuracy gate can see it. name -> (what it breaks, corrupt.py function).
@@ -115,6 +121,9 @@ def case(request, tiny_checkpoint, tiny_twin, tmp_path_factory):
     runs = [{"name": "neuron-w8", "model": str(ckpt), "dense_mla": dense, "llm": quant},
             {"name": "twin", "model": str(twin), "dense_mla": dense, "llm": {"dtype": dtype, **backend},
              "moe_isa": TWIN_MOE_ISA}]
+    if name in VLLM_FP8_CASES:
+        runs.append({"name": VLLM_FP8_RUN, "model": str(ckpt), "dense_mla": dense, "llm": quant,
+                     "env": {"VLLM_MOE_W8_CPU_KERNEL": "vllm-fp8"}})
     for fault, (_what, breaker) in FAULTS.items():
         broken = corrupt.copy_checkpoint(ckpt, work / f"broken-{fault}")
         breaker(broken)
@@ -199,12 +208,25 @@ def test_offline_generate(case):
         assert quant["tokens"] == twin["tokens"], (quant["text"], twin["text"])
 
 
+def test_vllm_fp8_kernel_run_matches_dequantised_twin(case):
+    """The MoE method's other CPU path, vLLM's FP8 kernel on the prepacked experts, asked for by name: every routed
+    call ran it, the load log says so, and it passes the same gate against the twin."""
+    case, results = case
+    if case not in VLLM_FP8_CASES:
+        pytest.skip("the vllm-fp8 run is served for the BF16 case whose layout fits vLLM's FP8 kernel")
+    fp8_run, twin = _entry(results, VLLM_FP8_RUN), _entry(results, "twin")
+    assert fp8_run["w8_cpu_kernels"] == ["vllm-fp8"], fp8_run["w8_cpu_kernels"]
+    assert any("routed experts on CPU: vLLM's FP8 W8A16 MoE kernel" in line for line in results["_plugin_log"])
+    logprob_gate(case, fp8_run, twin)
+
+
 def test_runs_used_the_kernels_the_gate_assumes(case):
     """What vLLM recorded picking, the same on every CPU variant: the MLA case ran CPU_MLA in every run, the others
     vLLM's CPU attention with one attention ISA in all runs of the case, the twin's MoE ran vLLM's "vec" kernel and
-    nothing else, and the neuron-w8 runs ran no vLLM MoE kernel at all (every routed expert through the plugin's op)."""
+    nothing else, and the neuron-w8 runs ran no vLLM MoE kernel at all (every routed expert through the plugin's op; the
+    vllm-fp8 run through vLLM's FP8 kernel only, asked for by name)."""
     case, results = case
-    names = ["neuron-w8", "twin", *FAULTS]
+    names = ["neuron-w8", "twin", *FAULTS] + ([VLLM_FP8_RUN] if case in VLLM_FP8_CASES else [])
     entries = {name: _entry(results, name) for name in names}
     for name, entry in entries.items():
         assert entry["attention_backends"], f"{name}: no attention backend recorded (engine core not in the child?)"
@@ -214,5 +236,7 @@ def test_runs_used_the_kernels_the_gate_assumes(case):
             assert entry["attention_backends"] == ["CPUAttentionBackend"], (name, entry["attention_backends"])
         want_moe = [TWIN_MOE_ISA] if name == "twin" else []
         assert entry["moe_isas"] == want_moe, (name, entry["moe_isas"])
+        want_w8 = [] if name == "twin" else ["vllm-fp8"] if name == VLLM_FP8_RUN else ["op"]
+        assert entry["w8_cpu_kernels"] == want_w8, (name, entry["w8_cpu_kernels"])
         # the kernels vLLM picks by CPU are picked alike in every run of the case (on AMX hosts: "amx" for bf16)
         assert entry["attention_isas"] == entries["twin"]["attention_isas"], (name, entry["attention_isas"])

@@ -12,7 +12,9 @@ The method's life, one step per phase vLLM drives:
    lut; a converted checkpoint is already final); run the numerics self-check
    (:mod:`vllm_moe_w8.vllm_glue.self_check`) on a few sampled experts; on a Neuron device, lay the experts
    out for the NKI kernels once; report to the model's load summary.
-3. ``apply``: map global expert ids to local ones with ``layer.expert_map`` and call the custom op.
+   On CPU, where ``cpu_vllm_fp8.decide`` picks vLLM's own FP8 kernel (AMX hosts where the layout fits, or
+   ``VLLM_MOE_W8_CPU_KERNEL=vllm-fp8``), the codes are replaced by vLLM's prepacked copy of them.
+3. ``apply``: map global expert ids to local ones with ``layer.expert_map`` and call the custom op (or vLLM's kernel).
 
 The method gets everything it needs from its constructor (checkpoint format, runtime settings, the
 model's load summary); it never imports the config.
@@ -32,6 +34,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_moe_w8.codec import fp8
 from vllm_moe_w8.op import custom_op
+from vllm_moe_w8.vllm_glue import cpu_vllm_fp8
 from vllm_moe_w8.vllm_glue.checkpoint_format import CheckpointFormat
 from vllm_moe_w8.vllm_glue.expert_loading import ExpertLoads, loads_from_checkpoint, rank_block
 from vllm_moe_w8.vllm_glue.load_summary import MoELoadSummary
@@ -58,6 +61,7 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         self.load_block = self.ckpt_block
         self.block = self.ckpt_block  # tile of the stored grids after processing
         self.processed = False
+        self.cpu_kernel = "op"  # "vllm-fp8": the experts are prepacked for vLLM's FP8 kernel (cpu_vllm_fp8)
         self.expert_loads: ExpertLoads | None = None  # made by create_weights
         self.expect_checkpoint_loads = loads_from_checkpoint()
 
@@ -169,6 +173,8 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
                 prefix=self.prefix, mode=self.mode, code_format=self.code_format, inter=self.inter,
                 load_block=self.load_block, block=self.block,
             )
+        if w13.device.type == "cpu":
+            self._choose_cpu_kernel(layer, new_s13)
         self.processed = True
         seconds = time.perf_counter() - t0
         logger.debug(
@@ -180,6 +186,20 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
             bytes_after=w13.numel() + w2.numel() + 4 * (new_s13.numel() + new_s2.numel()),
             stats=stats, seconds=seconds, checked_experts=len(sampled),
         )
+
+    def _choose_cpu_kernel(self, layer, s13) -> None:
+        """vLLM's FP8 kernel or the op (cpu_vllm_fp8.decide); for vLLM's, the codes are replaced by its prepacked copy."""
+        use, why = cpu_vllm_fp8.decide(
+            self.block, self.code_format, self.inter, self.moe.in_dtype, float(getattr(layer, "swiglu_limit", None) or 0.0),
+            layer.expert_map is not None)
+        if why not in _logged_cpu_kernels:
+            _logged_cpu_kernels.add(why)
+            logger.info("neuron-w8: routed experts on CPU: %s (first layer: %s)", why, self.prefix)
+        if use:
+            p13, p2 = cpu_vllm_fp8.prepack(layer.w13_weight.data, layer.w2_weight.data)
+            _replace(layer, "w13_weight", p13)
+            _replace(layer, "w2_weight", p2)
+            self.cpu_kernel = "vllm-fp8"
 
     def _repack(self, w13, s13, w2, s2, global_ids):
         """Repack every local expert in place (codes; scales in place or into new output-block grids).
@@ -219,6 +239,9 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         emap = layer.expert_map
         if emap is not None:
             ids = emap[topk_ids.long()]
+        if self.cpu_kernel == "vllm-fp8":  # no expert map here (decide: not with expert parallelism)
+            return cpu_vllm_fp8.forward(x, topk_weights, topk_ids, layer.w13_weight, getattr(layer, f"w13_{self.suffix}"),
+                                        layer.w2_weight, getattr(layer, f"w2_{self.suffix}"))
         limit = getattr(layer, "swiglu_limit", None)
         return torch.ops.moe_w8.fused_moe(
             x, topk_weights.to(torch.float32), ids,
@@ -226,6 +249,9 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
             layer.w2_weight, getattr(layer, f"w2_{self.suffix}"),
             self.block[0], self.block[1], self.code_format, "silu", float(limit or 0.0),
         )
+
+
+_logged_cpu_kernels: set[str] = set()
 
 
 def _replace(layer: torch.nn.Module, name: str, data: torch.Tensor) -> None:
