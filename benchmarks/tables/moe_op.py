@@ -11,7 +11,9 @@ from pathlib import Path
 
 from benchmarks.readme_tables import markdown_table
 
-NAMES = {"vllm_fp8": "vLLM FP8", "vllm_bf16_amx": "vLLM BF16 amx", "vllm_bf16_vec": "vLLM BF16 vec"}
+NAMES = {"vllm_fp8": "vLLM FP8", "vllm_bf16_amx": "vLLM BF16 amx", "vllm_bf16_vec": "vLLM BF16 vec",
+         "vllm_fp8_noamx": "vLLM FP8 kernel (vLLM picks it only with AMX)"}
+NOT_PICKED = "vllm_fp8_noamx"  # measured, never the fastest vLLM kernel for the checkpoint (bench_moe_op)
 
 
 def _files(results_dir: Path) -> list[Path]:
@@ -69,6 +71,7 @@ def _table(data: dict, model: dict) -> str:
     head = ["T", "calls", "neuron-w8 ms"] + (["w8 exact-h ms"] if exact else []) + (["w8, codes in 4 KiB pages ms (time / w8's)"] if small else [])
     head += [f"{NAMES.get(k, k)} ms" for k in kernels]
     head += ["w8 / fastest vLLM (wall)", "(CPU time)", "goal >= 1.0x"] + ([] if data["amx"] else ["w8 / vLLM BF16, goal >= 1.3x at T <= 8"])
+    head += ["w8 / vLLM FP8 kernel (not picked here)"] if NOT_PICKED in kernels else []
     rows = []
     for r in model["rows"]:
         cells = [r["T"], r["reps"], f"{r['w8_ms']:.2f}"] + ([f"{r['w8_exact_ms']:.2f}"] if exact else [])
@@ -80,6 +83,7 @@ def _table(data: dict, model: dict) -> str:
             ratio = f"{r[f'w8_vs_{bf16}']:.2f}x"
             goal = r.get("goal_bf16_small_t_met")
             cells.append(ratio + ("" if goal is None else (": met" if goal else ": **not met**")))
+        cells += [f"{r[f'w8_vs_{NOT_PICKED}']:.2f}x"] if NOT_PICKED in kernels else []
         rows.append(cells)
     return markdown_table(head, rows)
 

@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from vllm_moe_w8.vllm_glue.cpu_amx_permission import cpu_flags
+
 ENV = "VLLM_MOE_W8_CPU_KERNEL"
 CHOICES = ("auto", "native", "vllm-fp8")
 BLOCK = (128, 128)
@@ -47,7 +49,10 @@ def unavailable_reason() -> str | None:
     except Exception as exc:  # noqa: BLE001 -- no vLLM CPU kernels at all
         return f"vLLM's CPU kernels cannot be imported ({type(exc).__name__})"
     if not (hasattr(torch.ops._C, "fused_experts_cpu") and hasattr(torch.ops._C, "convert_weight_packed")):
-        return "this vLLM build has no torch.ops._C.fused_experts_cpu / convert_weight_packed"
+        return "this vLLM build has no torch.ops._C.fused_experts_cpu / convert_weight_packed (e.g. its AVX2 build)"
+    if not amx_host() and "avx512_bf16" not in cpu_flags():
+        # its paths without AMX use BF16 dot products; others end in "scalar path not implemented" (a process abort)
+        return "no AMX tiles and no avx512_bf16 (the CPUs vLLM's FP8 kernel has been measured on here have one of them)"
     return None
 
 
