@@ -2,11 +2,13 @@
 
 The model (written once by vllm_moe_w8.tiny_models, cached in --dir): Qwen3-MoE layout, hidden 2048,
 moe_intermediate 512 (Qwen3.5-35B-A3B's expert width), top-8, a few layers, 64 experts by default (the real
-256 only multiplies the memory; pass --experts 256 if the machine has room). Three variants, each
+256 only multiplies the memory; pass --experts 256 if the machine has room). Five variants, each
 served in its own process, one after the other:
 
 * ``w8``        -- the FP8 checkpoint with ``quantization="neuron-w8"`` (experts repacked at load time);
 * ``w8-conv``   -- the same checkpoint pre-converted by ``vllm-moe-w8 convert`` (no conversion work at load);
+* ``w8-vllmfp8`` -- ``w8`` with ``VLLM_MOE_W8_CPU_KERNEL=vllm-fp8``: the routed experts on vLLM's own FP8 W8A16 kernel
+                   (vllm_glue/cpu_vllm_fp8.py; what ``auto`` picks on AMX hosts), here whatever the CPU;
 * ``bf16-twin`` -- the exactly dequantised BF16 twin, unquantised (what vLLM serves without the plugin here);
 * ``vllm-fp8``  -- the same FP8 checkpoint with vLLM's own ``quantization="fp8"`` (no plugin). vLLM 0.32's CPU FP8
                    linear and MoE kernels need Intel AMX; where it cannot start, the JSON records why (the error it
@@ -88,7 +90,7 @@ def make_models(root: Path, a) -> dict[str, Path]:
         summary = convert_checkpoint(src, conv, mode="pow2", progress=False)
         if not summary.get("ok", True):
             raise SystemExit(f"convert failed: {summary.get('message')}")
-    return {"w8": src, "w8-conv": conv, "bf16-twin": twin, "vllm-fp8": src}
+    return {"w8": src, "w8-conv": conv, "w8-vllmfp8": src, "bf16-twin": twin, "vllm-fp8": src}
 
 
 def expert_bytes_in(ckpt: Path) -> int:
@@ -130,7 +132,8 @@ def run_variant(name: str, model: Path, a, tmp: Path) -> dict:
     script = tmp / "bench_e2e_runner.py"
     script.write_text(RUNNER)
     payload = {"model": str(model), "llm": llm_kwargs, "eager": not a.compile, "batches": a.batches, "max_tokens": a.max_tokens}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(a.kv_gb), VLLM_MOE_W8_AUTO="0")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(a.kv_gb), VLLM_MOE_W8_AUTO="0",
+               VLLM_MOE_W8_CPU_KERNEL="vllm-fp8" if name == "w8-vllmfp8" else os.environ.get("VLLM_MOE_W8_CPU_KERNEL", "auto"))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(script), json.dumps(payload)], capture_output=True, text=True,
                           timeout=3600, env=env)
@@ -173,7 +176,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GB)")
     ap.add_argument("--compile", action="store_true", help="vLLM's default torch.compile instead of enforce_eager")
-    ap.add_argument("--variants", nargs="+", default=["w8", "w8-conv", "bf16-twin", "vllm-fp8"])
+    ap.add_argument("--variants", nargs="+", default=["w8", "w8-conv", "w8-vllmfp8", "bf16-twin", "vllm-fp8"])
     ap.add_argument("--repeats", type=int, default=2, help="rounds of all variants, alternating; medians reported")
     ap.add_argument("--isa", default="auto", help="VLLM_MOE_W8_CPU_ISA for the served w8 variants")
     a = ap.parse_args(argv)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from benchmarks.readme_tables import markdown_table
 
-LABELS = {"w8": "neuron-w8 (repack at load)", "w8-conv": "neuron-w8, pre-converted", "bf16-twin": "BF16 twin (vLLM unquantised)",
+LABELS = {"w8": "neuron-w8 (repack at load)", "w8-conv": "neuron-w8, pre-converted",
+          "w8-vllmfp8": "neuron-w8, experts on vLLM's FP8 kernel (`VLLM_MOE_W8_CPU_KERNEL=vllm-fp8`)", "bf16-twin": "BF16 twin (vLLM unquantised)",
           "vllm-fp8": "vLLM's own fp8 (`quantization=\"fp8\"`, no plugin)"}
 
 
