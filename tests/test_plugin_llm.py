@@ -81,3 +81,12 @@ def test_llm_auto_claim_eager_with_additional_config_mode(checkpoint, tmp_path):
     result, log = _run_llm(tmp_path, checkpoint, kwargs, {"VLLM_MOE_W8_AUTO": "1"})
     _check(result, log, "output-block", "additional_config neuron_w8.mode")
     assert "claiming the fp8 checkpoint automatically" in log
+
+
+def test_llm_on_vllms_fp8_kernel_under_torch_compile(checkpoint, tmp_path):
+    """The MoE method's other CPU path (vLLM's FP8 kernel on the prepacked experts, asked for by name) under vLLM's
+    default torch.compile: it loads, says which path and why, and generates (accuracy: tests/test_models_accuracy.py)."""
+    result, log = _run_llm(tmp_path, checkpoint, {"quantization": "neuron-w8"},
+                           {"VLLM_MOE_W8_AUTO": "0", "VLLM_MOE_W8_CPU_KERNEL": "vllm-fp8"})
+    _check(result, log, "pow2", "default")
+    assert "routed experts on CPU: vLLM's FP8 W8A16 MoE kernel (VLLM_MOE_W8_CPU_KERNEL=vllm-fp8" in log, log[-4000:]
