@@ -69,11 +69,12 @@ def _gather_flagged(c: np.ndarray, cand: np.ndarray):
 def _tile_max(m: np.ndarray, per: int, bk: int) -> np.ndarray:
     """[gn, gk]: the maximum of ``m`` [groups, k] over each ``per`` groups x ``bk`` columns (ragged edges too)."""
     groups, k = m.shape
-    gn, gk = -(-groups // per), -(-k // bk)
-    bk = k if gk == 1 else bk
-    if (gn * per, gk * bk) != m.shape:
-        m = np.pad(m, ((0, gn * per - groups), (0, gk * bk - k)))  # zeros: never above a real maximum
-    return m.reshape(gn, per, gk, bk).max(axis=(1, 3))
+    full = groups // per
+    parts = [m[: full * per].reshape(full, per, k).max(axis=1)] if full else []
+    if full * per < groups:
+        parts.append(m[full * per:].max(axis=0, keepdims=True))
+    rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return np.maximum.reduceat(rows, np.arange(0, k, bk), axis=1)
 
 
 def _restore(ct: torch.Tensor, out_t: torch.Tensor, keep: np.ndarray, bn: int, bk: int) -> None:
