@@ -46,9 +46,10 @@ def _reduce_rows(x: torch.Tensor, rows: int, flat: bool = False) -> np.ndarray:
     return (torch.cat(parts) if len(parts) > 1 else parts[0]).numpy()
 
 
-def _gather_flagged(c: np.ndarray, cand: np.ndarray):
+def _gather_flagged(c: np.ndarray, keys: np.ndarray, cand: np.ndarray):
     """For the (group of SEARCH_ROWS rows, column) pairs ``cand`` (flat indices into [groups, k]): each pair's
-    largest magnitude, and the rows, columns and bytes of its magnitudes below SMALL_MAG."""
+    largest magnitude, and the rows, columns and bytes of its magnitudes below SMALL_MAG, read from the ``keys``
+    (just reduced, so in cache) and, for those few bytes, ``c``."""
     n, k = c.shape
     first, j = np.divmod(cand, k)
     first *= SEARCH_ROWS
@@ -56,14 +57,13 @@ def _gather_flagged(c: np.ndarray, cand: np.ndarray):
     ragged = n % SEARCH_ROWS != 0
     # [32, cand]: row r of every pair (a ragged last group reads its row n - 1 again in place of the missing ones)
     idx = np.minimum(r + first, n - 1) * k + j if ragged else r * k + (first * k + j)
-    v = c.ravel().take(idx)
-    mag = v & 0x7F
-    small = mag < SMALL_MAG
+    key = keys.ravel().take(idx)
+    small = key >= KEY_SMALL
     if ragged:
         small &= r + first < n  # the repeats are not values of their own
-    f = np.flatnonzero(small)
-    ri, ci = np.divmod(f, cand.size)
-    return mag.max(axis=0), first[ci] + ri, j[ci], v.ravel()[f]
+    ri, ci = np.divmod(np.flatnonzero(small), cand.size)
+    rows, cols = first[ci] + ri, j[ci]
+    return ((key + 2 * SMALL_MAG) >> 1).max(axis=0), rows, cols, c.ravel().take(rows * k + cols)
 
 
 def _tile_max(m: np.ndarray, per: int, bk: int) -> np.ndarray:
@@ -100,7 +100,7 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
     torch.add(_KEY_OFFSET, ct, alpha=2, out=out_t)  # the keys
     keys = _reduce_rows(out_t, SEARCH_ROWS)  # [groups, k]
     cand = np.flatnonzero(keys >= KEY_SMALL)
-    cand_max, rows, cols, v = _gather_flagged(c, cand)
+    cand_max, rows, cols, v = _gather_flagged(c, out, cand)
     if bn % SEARCH_ROWS == 0:
         mags = (keys >> 1) + SMALL_MAG  # each pair's largest magnitude where no small one hides it
         mags.ravel()[cand] = cand_max
