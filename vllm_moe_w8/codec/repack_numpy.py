@@ -29,6 +29,11 @@ SMALL_MAG = 0x10  # below: subnormal / smallest normal, halved by rounding inste
 SEARCH_ROWS = 32  # the small magnitudes are looked for in groups of this many rows of a column
 KEY_SMALL = 256 - 2 * SMALL_MAG  # key = 2 * magnitude - 32 (mod 256): keys >= this are magnitudes < SMALL_MAG
 _KEY_OFFSET = torch.tensor(KEY_SMALL, dtype=torch.uint8)
+# byte -> its half rounded to nearest even for the magnitudes below SMALL_MAG (fp8.halve_codes' rule; the odd ones
+# are the rounded values), the sign kept
+_BYTES = np.arange(256, dtype=np.uint8)
+_HALF = (_BYTES & 0x7F) >> 1
+_HALVED_SMALL = (_HALF + (_BYTES & _HALF & 1)) | (_BYTES & 0x80)
 
 
 def _reduce_rows(x: torch.Tensor, rows: int, flat: bool = False) -> np.ndarray:
@@ -48,22 +53,20 @@ def _reduce_rows(x: torch.Tensor, rows: int, flat: bool = False) -> np.ndarray:
 
 def _gather_flagged(c: np.ndarray, keys: np.ndarray, cand: np.ndarray):
     """For the (group of SEARCH_ROWS rows, column) pairs ``cand`` (flat indices into [groups, k]): each pair's
-    largest magnitude, and the rows, columns and bytes of its magnitudes below SMALL_MAG, read from the ``keys``
-    (just reduced, so in cache) and, for those few bytes, ``c``."""
+    largest magnitude, and the flat positions of its magnitudes below SMALL_MAG, read from the ``keys`` (just
+    reduced, so in cache)."""
     n, k = c.shape
-    first, j = np.divmod(cand, k)
-    first *= SEARCH_ROWS
-    r = np.arange(SEARCH_ROWS)[:, None]
-    ragged = n % SEARCH_ROWS != 0
-    # [32, cand]: row r of every pair (a ragged last group reads its row n - 1 again in place of the missing ones)
-    idx = np.minimum(r + first, n - 1) * k + j if ragged else r * k + (first * k + j)
-    key = keys.ravel().take(idx)
+    # [32, cand]: flat position of row r of every pair (group g's row r is (32 g + r) k + j, with cand = g k + j)
+    pos = (np.arange(SEARCH_ROWS) * k)[:, None] + (cand + cand // k * ((SEARCH_ROWS - 1) * k))
+    inside = None
+    if n % SEARCH_ROWS:  # a ragged last group reads its row n - 1 again in place of the missing ones
+        inside = pos < c.size
+        pos = np.where(inside, pos, (n - 1) * k + cand % k)
+    key = keys.ravel().take(pos)
     small = key >= KEY_SMALL
-    if ragged:
-        small &= r + first < n  # the repeats are not values of their own
-    ri, ci = np.divmod(np.flatnonzero(small), cand.size)
-    rows, cols = first[ci] + ri, j[ci]
-    return ((key + 2 * SMALL_MAG) >> 1).max(axis=0), rows, cols, c.ravel().take(rows * k + cols)
+    if inside is not None:
+        small &= inside  # the repeats are not values of their own
+    return ((key + 2 * SMALL_MAG) >> 1).max(axis=0), pos.ravel()[np.flatnonzero(small)]
 
 
 def _tile_max(m: np.ndarray, per: int, bk: int) -> np.ndarray:
@@ -100,7 +103,7 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
     torch.add(_KEY_OFFSET, ct, alpha=2, out=out_t)  # the keys
     keys = _reduce_rows(out_t, SEARCH_ROWS)  # [groups, k]
     cand = np.flatnonzero(keys >= KEY_SMALL)
-    cand_max, rows, cols, v = _gather_flagged(c, out, cand)
+    cand_max, pos = _gather_flagged(c, out, cand)
     if bn % SEARCH_ROWS == 0:
         mags = (keys >> 1) + SMALL_MAG  # each pair's largest magnitude where no small one hides it
         mags.ravel()[cand] = cand_max
@@ -110,22 +113,18 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
         twice = _reduce_rows(out_t, bn, flat=True)[:, None] if gk == 1 else _tile_max(_reduce_rows(out_t, bn), 1, bk)
         tile_max = twice >> 1
     gn = tile_max.shape[0]
-    rounded = np.zeros((gn, gk), dtype=np.int64)
     shift = tile_max >= FN_ONLY_MIN_MAG
-    if not shift.any():
+    shifting = np.count_nonzero(shift)
+    if not shifting:
         out_t.copy_(ct)
-        return out, tile_max, rounded
+        return out, tile_max, np.zeros((gn, gk), dtype=np.int64)
     torch.sub(ct, 8, out=out_t)  # uint8: wraps below 8; those bytes are restored or fixed below
-    if not shift.all():
+    rows, cols = np.divmod(pos, k)
+    tile = rows // bn * gk + cols // bk  # of each small magnitude
+    if shifting < shift.size:
         _restore(ct, out_t, ~shift, bn, bk)
-    if rows.size:
-        tg, tk = rows // bn, cols // bk
-        shifted = shift[tg, tk]
-        if not shifted.all():
-            rows, cols, tg, tk, v = rows[shifted], cols[shifted], tg[shifted], tk[shifted], v[shifted]
-        m = v & 0x7F
-        half = m >> 1
-        out.ravel()[rows * k + cols] = (half + (m & half & 1)) | (v & 0x80)  # round half to even
-        odd = (m & 1).astype(bool)
-        rounded += np.bincount(tg[odd] * gk + tk[odd], minlength=gn * gk).reshape(gn, gk)
-    return out, tile_max, rounded
+        kept = shift.ravel()[tile]
+        pos, tile = pos[kept], tile[kept]
+    v = c.ravel()[pos]
+    out.ravel()[pos] = _HALVED_SMALL[v]
+    return out, tile_max, np.bincount(tile[(v & 1).astype(bool)], minlength=gn * gk).reshape(gn, gk)
