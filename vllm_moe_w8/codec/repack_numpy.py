@@ -10,13 +10,14 @@ the small arrays stay numpy (a torch op costs several numpy ones at that size). 
 1. a key per byte into the output buffer, ``224 + 2 * code`` in uint8 = ``2 * magnitude - 32`` (mod 256): the
    sign bit drops out, magnitudes >= 0x10 keep their order (keys 0..222) and those below wrap to the top (>= 224).
 2. the keys' column maxima over each group of 32 rows: a maximum >= 224 flags a (group, column) pair holding a
-   magnitude below 0x10 (rare in real checkpoints); the others give the pair's largest magnitude. The flagged pairs'
-   bytes are gathered: their largest magnitude, and where the small ones are. Tile maxima follow from the pairs'
-   (when a tile's rows are whole groups; else, e.g. per-channel scales, one more pass: ``c + c`` and its maxima).
+   magnitude below 0x10 (rare in real checkpoints); the others give the pair's largest magnitude. The flagged
+   pairs' keys are gathered while in cache: their largest magnitude, and where the small ones are. Tile maxima
+   follow from the pairs' (when a tile's rows are whole groups; else, e.g. per-channel scales, one more pass:
+   ``c + c`` and its maxima).
 3. every byte halved as a normal into the same buffer, ``c - 8`` (exact for magnitudes >= 0x10); tiles that do
    not shift get their bytes back (skipped when every tile shifts). The small magnitudes in shifted tiles are
-   rounded to nearest even (:func:`vllm_moe_w8.codec.fp8.halve_codes`' rule); the odd ones are the rounded
-   values, counted per tile.
+   rounded to nearest even (:func:`vllm_moe_w8.codec.fp8.halve_codes`' rule, as a 256-byte table); the odd ones
+   are the rounded values, counted per tile.
 """
 
 from __future__ import annotations
