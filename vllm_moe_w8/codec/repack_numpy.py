@@ -10,14 +10,15 @@ the small arrays stay numpy (a torch op costs several numpy ones at that size). 
 1. a key per byte into the output buffer, ``224 + 2 * code`` in uint8 = ``2 * magnitude - 32`` (mod 256): the
    sign bit drops out, magnitudes >= 0x10 keep their order (keys 0..222) and those below wrap to the top (>= 224).
 2. the keys' column maxima over each group of 32 rows: a maximum >= 224 flags a (group, column) pair holding a
-   magnitude below 0x10 (rare in real checkpoints); the others give the pair's largest magnitude. The flagged
-   pairs' keys are gathered while in cache: their largest magnitude, and where the small ones are. Tile maxima
+   magnitude below 0x10 (rare in real checkpoints); the others give the pair's largest magnitude. Tile maxima
    follow from the pairs' (when a tile's rows are whole groups; else, e.g. per-channel scales, one more pass:
    ``c + c`` and its maxima).
-3. every byte halved as a normal into the same buffer, ``c - 8`` (exact for magnitudes >= 0x10); tiles that do
-   not shift get their bytes back (skipped when every tile shifts). The small magnitudes in shifted tiles are
-   rounded to nearest even (:func:`vllm_moe_w8.codec.fp8.halve_codes`' rule, as a 256-byte table); the odd ones
-   are the rounded values, counted per tile.
+3. every byte halved as a normal into the same buffer, ``c - 8`` (exact for magnitudes >= 0x10), right after the
+   maxima (with the numpy work between them the two-thread path measured slower: likely torch's threads going
+   idle). Then the flagged pairs' bytes are gathered (their largest magnitude, and where the small ones are),
+   tiles that do not shift get their bytes back (skipped when every tile shifts), and the small magnitudes in
+   shifted tiles are rounded to nearest even (:func:`vllm_moe_w8.codec.fp8.halve_codes`' rule, as a 256-byte
+   table); the odd ones are the rounded values, counted per tile.
 """
 
 from __future__ import annotations
@@ -52,10 +53,9 @@ def _reduce_rows(x: torch.Tensor, rows: int, flat: bool = False) -> np.ndarray:
     return (torch.cat(parts) if len(parts) > 1 else parts[0]).numpy()
 
 
-def _gather_flagged(c: np.ndarray, keys: np.ndarray, cand: np.ndarray):
+def _gather_flagged(c: np.ndarray, cand: np.ndarray):
     """For the (group of SEARCH_ROWS rows, column) pairs ``cand`` (flat indices into [groups, k]): each pair's
-    largest magnitude, and the flat positions of its magnitudes below SMALL_MAG, read from the ``keys`` (just
-    reduced, so in cache)."""
+    largest magnitude, and the flat positions of its magnitudes below SMALL_MAG."""
     n, k = c.shape
     # [32, cand]: flat position of row r of every pair (group g's row r is (32 g + r) k + j, with cand = g k + j)
     pos = (np.arange(SEARCH_ROWS) * k)[:, None] + (cand + cand // k * ((SEARCH_ROWS - 1) * k))
@@ -63,11 +63,11 @@ def _gather_flagged(c: np.ndarray, keys: np.ndarray, cand: np.ndarray):
     if n % SEARCH_ROWS:  # a ragged last group reads its row n - 1 again in place of the missing ones
         inside = pos < c.size
         pos = np.where(inside, pos, (n - 1) * k + cand % k)
-    key = keys.ravel().take(pos)
-    small = key >= KEY_SMALL
+    mag = c.ravel().take(pos) & 0x7F
+    small = mag < SMALL_MAG
     if inside is not None:
         small &= inside  # the repeats are not values of their own
-    return ((key + 2 * SMALL_MAG) >> 1).max(axis=0), pos.ravel()[np.flatnonzero(small)]
+    return mag.max(axis=0), pos.ravel()[np.flatnonzero(small)]
 
 
 def _tile_max(m: np.ndarray, per: int, bk: int) -> np.ndarray:
@@ -103,15 +103,18 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
     out_t = torch.from_numpy(out)
     torch.add(_KEY_OFFSET, ct, alpha=2, out=out_t)  # the keys
     keys = _reduce_rows(out_t, SEARCH_ROWS)  # [groups, k]
+    whole = bn % SEARCH_ROWS == 0  # tile rows made of whole groups: tile maxima from the keys
+    if not whole:
+        torch.add(ct, ct, out=out_t)  # 2 * magnitude
+        twice = _reduce_rows(out_t, bn, flat=True)[:, None] if gk == 1 else _tile_max(_reduce_rows(out_t, bn), 1, bk)
+    torch.sub(ct, 8, out=out_t)  # uint8: wraps below 8; those bytes are restored or fixed below
     cand = np.flatnonzero(keys >= KEY_SMALL)
-    cand_max, pos = _gather_flagged(c, out, cand)
-    if bn % SEARCH_ROWS == 0:
+    cand_max, pos = _gather_flagged(c, cand)
+    if whole:
         mags = (keys >> 1) + SMALL_MAG  # each pair's largest magnitude where no small one hides it
         mags.ravel()[cand] = cand_max
         tile_max = _tile_max(mags, bn // SEARCH_ROWS, bk)
     else:
-        torch.add(ct, ct, out=out_t)  # 2 * magnitude
-        twice = _reduce_rows(out_t, bn, flat=True)[:, None] if gk == 1 else _tile_max(_reduce_rows(out_t, bn), 1, bk)
         tile_max = twice >> 1
     gn = tile_max.shape[0]
     shift = tile_max >= FN_ONLY_MIN_MAG
@@ -119,7 +122,6 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
     if not shifting:
         out_t.copy_(ct)
         return out, tile_max, np.zeros((gn, gk), dtype=np.int64)
-    torch.sub(ct, 8, out=out_t)  # uint8: wraps below 8; those bytes are restored or fixed below
     rows, cols = np.divmod(pos, k)
     tile = rows // bn * gk + cols // bk  # of each small magnitude
     if shifting < shift.size:
