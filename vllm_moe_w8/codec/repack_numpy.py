@@ -5,16 +5,20 @@
 the only byte array it makes (a fresh buffer's first-touch page faults cost as much as a pass over it), and each
 pass over the bytes is a torch op on the same memory (``torch.from_numpy``), so it runs on torch's own threads as
 the native body does (Python threads would compete with torch's OpenMP threads, which spin after every op);
-the small arrays stay numpy (a torch op costs several numpy ones at that size):
+the small arrays stay numpy (a torch op costs several numpy ones at that size). Three passes:
 
-1. ``2 * magnitude`` into the output buffer: ``c + c`` in uint8 drops the sign bit.
-2. its column maxima over each tile row (over the whole band when ``bk == k``) give the tile maxima; its column
-   minima over groups of 32 rows say which (group, column) pairs hold a magnitude below 0x10.
-3. every byte halved as a normal into the same buffer, ``c - 8`` (exact for magnitudes >= 0x10); tiles that do
-   not shift get their bytes back (skipped when every tile shifts).
-4. the magnitudes below 0x10 (rare in real checkpoints) are gathered only from the pairs step 2 flagged, and those
-   in shifted tiles are rounded to nearest even (:func:`vllm_moe_w8.codec.fp8.halve_codes`' rule); the odd ones
-   are the rounded values, counted per tile.
+1. a key per byte into the output buffer, ``224 + 2 * code`` in uint8 = ``2 * magnitude - 32`` (mod 256): the
+   sign bit drops out, magnitudes >= 0x10 keep their order (keys 0..222) and those below wrap to the top (>= 224).
+2. the keys' column maxima over each group of 32 rows: a maximum >= 224 flags a (group, column) pair holding a
+   magnitude below 0x10 (rare in real checkpoints); the others give the pair's largest magnitude. Tile maxima
+   follow from the pairs' (when a tile's rows are whole groups; else, e.g. per-channel scales, one more pass:
+   ``c + c`` and its maxima).
+3. every byte halved as a normal into the same buffer, ``c - 8`` (exact for magnitudes >= 0x10), right after the
+   maxima (with the numpy work between them the two-thread path measured slower: likely torch's threads going
+   idle). Then the flagged pairs' bytes are gathered (their largest magnitude, and where the small ones are),
+   tiles that do not shift get their bytes back (skipped when every tile shifts), and the small magnitudes in
+   shifted tiles are rounded to nearest even (:func:`vllm_moe_w8.codec.fp8.halve_codes`' rule, as a 256-byte
+   table); the odd ones are the rounded values, counted per tile.
 """
 
 from __future__ import annotations
@@ -25,46 +29,56 @@ import torch
 FN_ONLY_MIN_MAG = 0x78  # a tile holding a magnitude >= this is halved (as in fp8.FN_ONLY_MIN_MAG)
 SMALL_MAG = 0x10  # below: subnormal / smallest normal, halved by rounding instead of code - 8
 SEARCH_ROWS = 32  # the small magnitudes are looked for in groups of this many rows of a column
+KEY_SMALL = 256 - 2 * SMALL_MAG  # key = 2 * magnitude - 32 (mod 256): keys >= this are magnitudes < SMALL_MAG
+_KEY_OFFSET = torch.tensor(KEY_SMALL, dtype=torch.uint8)
+# byte -> its half rounded to nearest even for the magnitudes below SMALL_MAG (fp8.halve_codes' rule; the odd ones
+# are the rounded values), the sign kept
+_BYTES = np.arange(256, dtype=np.uint8)
+_HALF = (_BYTES & 0x7F) >> 1
+_HALVED_SMALL = (_HALF + (_BYTES & _HALF & 1)) | (_BYTES & 0x80)
 
 
-def _reduce_rows(x: torch.Tensor, rows: int, op, flat: bool = False) -> np.ndarray:
-    """[groups, k] (or [groups] if ``flat``): ``op`` (torch.amax / torch.amin) over each group of ``rows`` rows
-    of ``x`` [n, k], a ragged last group included; ``flat`` reduces over the group's columns too."""
+def _reduce_rows(x: torch.Tensor, rows: int, flat: bool = False) -> np.ndarray:
+    """[groups, k] (or [groups] if ``flat``): the maximum over each group of ``rows`` rows of ``x`` [n, k], a
+    ragged last group included; ``flat`` reduces over the group's columns too."""
     n, k = x.shape
     full = n // rows
     parts = []
     if full:
         body = x[: full * rows]
-        parts.append(op(body.view(full, rows * k), dim=1) if flat else op(body.view(full, rows, k), dim=1))
+        parts.append(torch.amax(body.view(full, rows * k) if flat else body.view(full, rows, k), dim=1))
     if full * rows < n:
         rest = x[full * rows:]
-        parts.append(op(rest.reshape(1, -1), dim=1) if flat else op(rest, dim=0, keepdim=True))
+        parts.append(torch.amax(rest.reshape(1, -1), dim=1) if flat else torch.amax(rest, dim=0, keepdim=True))
     return (torch.cat(parts) if len(parts) > 1 else parts[0]).numpy()
 
 
-def _small_positions(c: np.ndarray, flagged: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, cols) of every magnitude below SMALL_MAG in the (group of SEARCH_ROWS rows, column) pairs
-    ``flagged`` [groups, k] marks (a column of a group is one row of the transposed view: one gather)."""
+def _gather_flagged(c: np.ndarray, cand: np.ndarray):
+    """For the (group of SEARCH_ROWS rows, column) pairs ``cand`` (flat indices into [groups, k]): each pair's
+    largest magnitude, and the flat positions of its magnitudes below SMALL_MAG."""
     n, k = c.shape
-    cand = np.flatnonzero(flagged)
-    if cand.size == 0:
-        return cand, cand
-    g, j = np.divmod(cand, k)
-    full = n // SEARCH_ROWS
-    rows, cols = [], []
-    last = g >= full  # candidates in the ragged last group
-    gf, jf = (g[~last], j[~last]) if last.any() else (g, j)
-    if gf.size:
-        group = c[: full * SEARCH_ROWS].reshape(full, SEARCH_ROWS, k).transpose(0, 2, 1)[gf, jf]  # [cand, 32]
-        ci, ri = np.nonzero((group & 0x7F) < SMALL_MAG)
-        rows.append(gf[ci] * SEARCH_ROWS + ri)
-        cols.append(jf[ci])
-    if last.any():
-        jl = j[last]
-        ri, ci = np.nonzero((c[full * SEARCH_ROWS:][:, jl] & 0x7F) < SMALL_MAG)
-        rows.append(full * SEARCH_ROWS + ri)
-        cols.append(jl[ci])
-    return (np.concatenate(rows), np.concatenate(cols)) if len(rows) > 1 else (rows[0], cols[0])
+    # [32, cand]: flat position of row r of every pair (group g's row r is (32 g + r) k + j, with cand = g k + j)
+    pos = (np.arange(SEARCH_ROWS) * k)[:, None] + (cand + cand // k * ((SEARCH_ROWS - 1) * k))
+    inside = None
+    if n % SEARCH_ROWS:  # a ragged last group reads its row n - 1 again in place of the missing ones
+        inside = pos < c.size
+        pos = np.where(inside, pos, (n - 1) * k + cand % k)
+    mag = c.ravel().take(pos) & 0x7F
+    small = mag < SMALL_MAG
+    if inside is not None:
+        small &= inside  # the repeats are not values of their own
+    return mag.max(axis=0), pos.ravel()[np.flatnonzero(small)]
+
+
+def _tile_max(m: np.ndarray, per: int, bk: int) -> np.ndarray:
+    """[gn, gk]: the maximum of ``m`` [groups, k] over each ``per`` groups x ``bk`` columns (ragged edges too)."""
+    groups, k = m.shape
+    full = groups // per
+    parts = [m[: full * per].reshape(full, per, k).max(axis=1)] if full else []
+    if full * per < groups:
+        parts.append(m[full * per:].max(axis=0, keepdims=True))
+    rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return np.maximum.reduceat(rows, np.arange(0, k, bk), axis=1)
 
 
 def _restore(ct: torch.Tensor, out_t: torch.Tensor, keep: np.ndarray, bn: int, bk: int) -> None:
@@ -87,32 +101,33 @@ def pow2(c: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray, np.nd
     ct = torch.from_numpy(c)
     out = np.empty_like(c)
     out_t = torch.from_numpy(out)
-    torch.add(ct, ct, out=out_t)  # 2 * magnitude
-    if bk >= k:
-        tile_max = (_reduce_rows(out_t, bn, torch.amax, flat=True) >> 1)[:, None]
-    else:
-        tile_max = np.maximum.reduceat(_reduce_rows(out_t, bn, torch.amax) >> 1, np.arange(0, k, bk), axis=1)
-    gn = tile_max.shape[0]
-    rounded = np.zeros((gn, gk), dtype=np.int64)
-    shift = tile_max >= FN_ONLY_MIN_MAG
-    if not shift.any():
-        out_t.copy_(ct)
-        return out, tile_max, rounded
-    flagged = _reduce_rows(out_t, SEARCH_ROWS, torch.amin) < 2 * SMALL_MAG
+    torch.add(_KEY_OFFSET, ct, alpha=2, out=out_t)  # the keys
+    keys = _reduce_rows(out_t, SEARCH_ROWS)  # [groups, k]
+    whole = bn % SEARCH_ROWS == 0  # tile rows made of whole groups: tile maxima from the keys
+    if not whole:
+        torch.add(ct, ct, out=out_t)  # 2 * magnitude
+        twice = _reduce_rows(out_t, bn, flat=True)[:, None] if gk == 1 else _tile_max(_reduce_rows(out_t, bn), 1, bk)
     torch.sub(ct, 8, out=out_t)  # uint8: wraps below 8; those bytes are restored or fixed below
-    if not shift.all():
+    cand = np.flatnonzero(keys >= KEY_SMALL)
+    cand_max, pos = _gather_flagged(c, cand)
+    if whole:
+        mags = (keys >> 1) + SMALL_MAG  # each pair's largest magnitude where no small one hides it
+        mags.ravel()[cand] = cand_max
+        tile_max = _tile_max(mags, bn // SEARCH_ROWS, bk)
+    else:
+        tile_max = twice >> 1
+    gn = tile_max.shape[0]
+    shift = tile_max >= FN_ONLY_MIN_MAG
+    shifting = np.count_nonzero(shift)
+    if not shifting:
+        out_t.copy_(ct)
+        return out, tile_max, np.zeros((gn, gk), dtype=np.int64)
+    rows, cols = np.divmod(pos, k)
+    tile = rows // bn * gk + cols // bk  # of each small magnitude
+    if shifting < shift.size:
         _restore(ct, out_t, ~shift, bn, bk)
-    rows, cols = _small_positions(c, flagged)
-    if rows.size:
-        tg, tk = rows // bn, cols // bk
-        shifted = shift[tg, tk]
-        if not shifted.all():
-            rows, cols, tg, tk = rows[shifted], cols[shifted], tg[shifted], tk[shifted]
-        idx = rows * k + cols
-        v = c.ravel().take(idx)
-        m = v & 0x7F
-        half = m >> 1
-        out.ravel()[idx] = (half + (m & half & 1)) | (v & 0x80)  # round half to even
-        odd = (m & 1).astype(bool)
-        rounded += np.bincount(tg[odd] * gk + tk[odd], minlength=gn * gk).reshape(gn, gk)
-    return out, tile_max, rounded
+        kept = shift.ravel()[tile]
+        pos, tile = pos[kept], tile[kept]
+    v = c.ravel()[pos]
+    out.ravel()[pos] = _HALVED_SMALL[v]
+    return out, tile_max, np.bincount(tile[(v & 1).astype(bool)], minlength=gn * gk).reshape(gn, gk)
