@@ -319,24 +319,18 @@ inline void lone_rows(const RowTask* rows, int64_t k_len, int64_t bk, float* res
   for (int r = 0; r < R; ++r) res[r] = hsum(tot[r]);
 }
 
-// Rows of lone pairs, kRowTile at a time: task(f) is row f's RowTask, emit(f, value) takes its dot product, for f in
-// [0, total). Callers order the rows so that each tile's rows come from different streams of codes (other matrices,
-// or rows far apart) and each stream goes on in the next tile: the hardware prefetcher follows sequential streams.
+// Rows of lone pairs, kRowTile at a time, one stream of codes each (moe_common.h row_tiles: the order is the caller's).
 template <class Task, class Emit>
 void lone_tiles(int64_t total, int64_t k_len, int64_t bk, Task task, Emit emit) {
-  RowTask rows[kRowTile];
-  float res[kRowTile];
-  for (int64_t f0 = 0; f0 < total; f0 += kRowTile) {
-    const int count = static_cast<int>(std::min<int64_t>(kRowTile, total - f0));
-    for (int r = 0; r < count; ++r) rows[r] = task(f0 + r);
+  static_assert(kRowTile >= 1 && kRowTile <= 4, "lone_rows has cases for 1..4 rows");
+  moe_w8::row_tiles<kRowTile, RowTask>(total, task, [&](int count, const RowTask* rows, float* res) {
     switch (count) {
       case 1: lone_rows<1>(rows, k_len, bk, res); break;
       case 2: lone_rows<2>(rows, k_len, bk, res); break;
       case 3: lone_rows<3>(rows, k_len, bk, res); break;
       default: lone_rows<4>(rows, k_len, bk, res); break;
     }
-    for (int r = 0; r < count; ++r) emit(f0 + r, res[r]);
-  }
+  }, emit);
 }
 
 // Splits n items into ceil(n / most) parts as equal as possible; part q is [start(q), start(q + 1)).

@@ -224,6 +224,8 @@ MOE_NOINLINE inline void fused_rows(const RowTask* rows, int64_t k_len, int64_t 
   for (int r = 0; r < R; ++r) res[r] = _mm512_reduce_add_ps(total[r]);
 }
 
+// The tile loop of moe_common.h's row_tiles, written out: through row_tiles' lambda this variant measured 0.94x at
+// T = 1 / 4 (native A/B, one thread, cold L3; the same bits), the avx2 variant 0.99-1.01x (it uses row_tiles).
 template <int P, class Task, class Emit>
 void fused_tiles_p(int64_t total, int64_t k_len, int64_t bk, int64_t plane_stride, const Tables& t, Task task, Emit emit) {
   RowTask rows[kRowTile];

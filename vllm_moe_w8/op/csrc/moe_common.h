@@ -128,6 +128,22 @@ void run_phases(std::initializer_list<int64_t> items, int threads, std::function
   vllm_moe_w8_team::run(threads, [&job] { job.work(); });
 }
 
+// Rows taken kTile at a time (fewer in the last tile) for f in [0, total): rows[r] = task(f0 + r), run(count, rows, res)
+// computes their dot products into res, emit(f0 + r, res[r]) takes each. Callers order the rows so that each tile's rows
+// come from different streams of codes (other matrices, or rows far apart) and each stream goes on in the next tile:
+// the hardware prefetcher follows sequential streams (four adjacent rows per tile ran at 0.6x on avx512bf16).
+template <int kTile, class Row, class Task, class Run, class Emit>
+void row_tiles(int64_t total, Task task, Run run, Emit emit) {
+  Row rows[kTile];
+  float res[kTile];
+  for (int64_t f0 = 0; f0 < total; f0 += kTile) {
+    const int count = static_cast<int>(std::min<int64_t>(kTile, total - f0));
+    for (int r = 0; r < count; ++r) rows[r] = task(f0 + r);
+    run(count, rows, res);
+    for (int r = 0; r < count; ++r) emit(f0 + r, res[r]);
+  }
+}
+
 inline float silu_mul(float g, float u, float limit) {
   if (limit > 0.0f) {
     g = std::min(g, limit);
