@@ -163,3 +163,35 @@ def test_named_choices(monkeypatch):
     monkeypatch.setenv(vf.ENV, "amx")
     with pytest.raises(ValueError, match="expected one of auto, native, vllm-fp8"):
         vf.decide(**FITS)
+
+
+AVX2_BUILD_PROBE = """
+import torch
+torch.cpu._is_avx512_supported = lambda: False  # what vllm/platforms/cpu.py sees on an AVX2-only host: _C_AVX2
+from vllm_moe_w8.vllm_glue import cpu_vllm_fp8 as vf
+vf.amx_host = lambda: True  # even where AMX would pick it
+import os
+os.environ[vf.ENV] = "auto"
+print("MISSING", vf.unavailable_reason())
+print("AUTO", vf.decide((128, 128), "e4m3", 384, torch.bfloat16, 0.0, False))
+os.environ[vf.ENV] = "vllm-fp8"
+try:
+    vf.decide((128, 128), "e4m3", 384, torch.bfloat16, 0.0, False)
+except ValueError as exc:
+    print("FORCED", exc)
+"""
+
+
+def test_vllms_avx2_build_has_no_kernel_and_says_so():
+    """The build an AVX2-only host loads (_C_AVX2) has no fused_experts_cpu: auto runs the op and says why, even on
+    an AMX-looking host; asked for by name, it is an error naming the missing op (a fresh interpreter: the build is
+    chosen at vLLM's first import)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", AVX2_BUILD_PROBE], capture_output=True, text=True, timeout=300)
+    lines = {line.split(" ", 1)[0]: line for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in ("MISSING", "AUTO", "FORCED")}
+    assert set(lines) == {"MISSING", "AUTO", "FORCED"}, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "fused_experts_cpu" in lines["MISSING"]
+    assert "(False," in lines["AUTO"] and "fused_experts_cpu" in lines["AUTO"]
+    assert f"Unset {vf.ENV}" in lines["FORCED"] and "fused_experts_cpu" in lines["FORCED"]

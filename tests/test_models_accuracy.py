@@ -100,6 +100,13 @@ CASES = {
 VLLM_FP8_CASES = ("qwen3.5-moe-block",)
 VLLM_FP8_RUN = "neuron-w8-vllm-fp8"
 
+
+def vllm_fp8_missing() -> str | None:
+    """Why this host's vLLM build cannot run its FP8 kernel (vLLM's AVX2 build has none), or None."""
+    from vllm_moe_w8.vllm_glue import cpu_vllm_fp8
+
+    return cpu_vllm_fp8.unavailable_reason()
+
 # Broken copies served next to each case, in the same child (one more engine start each): the gate must
 # refuse them. A checkpoint's own fault passes the load-time self-check (the plugin serves what the file
 # says), so only the accuracy gate can see it. name -> (what it breaks, corrupt.py function).
@@ -121,7 +128,7 @@ def case(request, tiny_checkpoint, tiny_twin, tmp_path_factory):
     runs = [{"name": "neuron-w8", "model": str(ckpt), "dense_mla": dense, "llm": quant},
             {"name": "twin", "model": str(twin), "dense_mla": dense, "llm": {"dtype": dtype, **backend},
              "moe_isa": TWIN_MOE_ISA}]
-    if name in VLLM_FP8_CASES:
+    if name in VLLM_FP8_CASES and vllm_fp8_missing() is None:
         runs.append({"name": VLLM_FP8_RUN, "model": str(ckpt), "dense_mla": dense, "llm": quant,
                      "env": {"VLLM_MOE_W8_CPU_KERNEL": "vllm-fp8"}})
     for fault, (_what, breaker) in FAULTS.items():
@@ -214,6 +221,8 @@ def test_vllm_fp8_kernel_run_matches_dequantised_twin(case):
     case, results = case
     if case not in VLLM_FP8_CASES:
         pytest.skip("the vllm-fp8 run is served for the BF16 case whose layout fits vLLM's FP8 kernel")
+    if vllm_fp8_missing():
+        pytest.skip(f"vLLM's FP8 kernel cannot run on this host: {vllm_fp8_missing()}")
     fp8_run, twin = _entry(results, VLLM_FP8_RUN), _entry(results, "twin")
     assert fp8_run["w8_cpu_kernels"] == ["vllm-fp8"], fp8_run["w8_cpu_kernels"]
     assert any("routed experts on CPU: vLLM's FP8 W8A16 MoE kernel" in line for line in results["_plugin_log"])
@@ -226,7 +235,7 @@ def test_runs_used_the_kernels_the_gate_assumes(case):
     nothing else, and the neuron-w8 runs ran no vLLM MoE kernel at all (every routed expert through the plugin's op; the
     vllm-fp8 run through vLLM's FP8 kernel only, asked for by name)."""
     case, results = case
-    names = ["neuron-w8", "twin", *FAULTS] + ([VLLM_FP8_RUN] if case in VLLM_FP8_CASES else [])
+    names = ["neuron-w8", "twin", *FAULTS] + ([VLLM_FP8_RUN] if case in VLLM_FP8_CASES and vllm_fp8_missing() is None else [])
     entries = {name: _entry(results, name) for name in names}
     for name, entry in entries.items():
         assert entry["attention_backends"], f"{name}: no attention backend recorded (engine core not in the child?)"

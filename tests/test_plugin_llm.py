@@ -86,6 +86,10 @@ def test_llm_auto_claim_eager_with_additional_config_mode(checkpoint, tmp_path):
 def test_llm_on_vllms_fp8_kernel_under_torch_compile(checkpoint, tmp_path):
     """The MoE method's other CPU path (vLLM's FP8 kernel on the prepacked experts, asked for by name) under vLLM's
     default torch.compile: it loads, says which path and why, and generates (accuracy: tests/test_models_accuracy.py)."""
+    from vllm_moe_w8.vllm_glue import cpu_vllm_fp8
+
+    if cpu_vllm_fp8.unavailable_reason():
+        pytest.skip(f"vLLM's FP8 kernel cannot run on this host: {cpu_vllm_fp8.unavailable_reason()}")
     result, log = _run_llm(tmp_path, checkpoint, {"quantization": "neuron-w8"},
                            {"VLLM_MOE_W8_AUTO": "0", "VLLM_MOE_W8_CPU_KERNEL": "vllm-fp8"})
     _check(result, log, "pow2", "default")
