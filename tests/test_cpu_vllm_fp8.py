@@ -98,7 +98,10 @@ def test_gate_refuses_realistic_faults(fault):
 def test_tiles_other_than_128_really_give_wrong_numbers():
     """Why the fit rule asks for 128 x 128 tiles: vLLM's kernel handed 64 x 64 tiles (the grid a ragged TP split
     refines to) returns without an error and far from the reference. If a vLLM release fixes that, this fails and the
-    rule can widen."""
+    rule can widen. Measured on the kernel's path without AMX; on AMX hosts the kernel takes other code (not run in
+    this project), where the rule is at worst conservative."""
+    if vf.amx_host():
+        pytest.skip("measured on vLLM's FP8 kernel without AMX; its AMX path has not run in this project")
     w13, w13_s, w2, w2_s = make_experts(E, H, INTER, (64, 64), "e4m3", seed=9)
     ids, wts, x = routing(8, 9)
     p13, p2 = vf.prepack(w13, w2)
