@@ -174,7 +174,7 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
                 load_block=self.load_block, block=self.block,
             )
         if w13.device.type == "cpu":
-            self._choose_cpu_kernel(layer, new_s13)
+            self._choose_cpu_kernel(layer)
         self.processed = True
         seconds = time.perf_counter() - t0
         logger.debug(
@@ -187,7 +187,7 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
             stats=stats, seconds=seconds, checked_experts=len(sampled),
         )
 
-    def _choose_cpu_kernel(self, layer, s13) -> None:
+    def _choose_cpu_kernel(self, layer) -> None:
         """vLLM's FP8 kernel or the op (cpu_vllm_fp8.decide); for vLLM's, the codes are replaced by its prepacked copy."""
         use, why = cpu_vllm_fp8.decide(
             self.block, self.code_format, self.inter, self.moe.in_dtype, float(getattr(layer, "swiglu_limit", None) or 0.0),
