@@ -20,7 +20,8 @@ vLLM's CPU kernel choices depend on the CPU (AMX hosts get other kernels), so ev
 (the ``isa`` of every ``cpu_fused_moe`` call: vLLM's own unquantised MoE; empty under neuron-w8, whose op is its
 own), ``"w8_cpu_kernels"`` (what each neuron-w8 routed-experts call ran: ``"op"``, the plugin's op, or
 ``"vllm-fp8"``, vLLM's FP8 kernel, vllm_glue/cpu_vllm_fp8.py), and ``"routing"``: the expert ids each MoE layer chose for every prompt token in the first ``generate``
-call's prefill (vLLM's ``cpu_fused_moe`` and neuron-w8's ``op.cpu.fused_moe_cpu`` record them).
+call's prefill (vLLM's ``cpu_fused_moe`` and neuron-w8's ``op.cpu.fused_moe_cpu`` record them), and
+``"amx_permission"``: whether this process holds the AMX tile permission, and what the plugin's registration did.
 ``"moe_isa": "vec"`` pins vLLM's unquantised MoE to its portable ``"vec"`` kernel for that run (on AMX hosts vLLM would pick ``X86CPUUnquantizedExperts``, isa ``"amx"``; elsewhere it picks ``"vec"`` anyway): the
 architecture-specific experts classes report the device unsupported, so vLLM's own oracle selects
 ``CPUUnquantizedExperts``. Ask the backend you mean with ``"llm": {"attention_backend": "CPU_MLA"}``.
@@ -34,6 +35,8 @@ import math
 import os
 import sys
 import traceback
+
+from child_log import excerpt  # tests/ is this script's folder, first on sys.path
 
 
 def dense_mla(cfg):
@@ -144,6 +147,14 @@ def _pin_moe_isa(isa: str | None):
     return saved
 
 
+def _amx_permission() -> dict:
+    """This process's AMX tile permission as the kernel reports it (``ARCH_GET_XCOMP_PERM``), and what the plugin's
+    registration did about it (``install()`` runs once per process: here it only returns its first answer)."""
+    from vllm_moe_w8.vllm_glue import cpu_amx_permission as amx
+
+    return {"held": amx.permitted(), "install": amx.install()}
+
+
 def run(args: dict, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
@@ -184,7 +195,7 @@ def run(args: dict, out_path: str) -> None:
                              for prompts in args.get("prompt_sets", [])]
         except Exception as exc:  # recorded for the test to report
             entry["error"] = f"{type(exc).__name__}: {exc}"
-            entry["traceback"] = traceback.format_exc()[-4000:]
+            entry["traceback"] = excerpt(traceback.format_exc(), 3000)  # the root cause kept, not only the tail
         for cls, original in pinned:
             cls._supports_current_device = original
         for key, value in saved_env.items():
@@ -193,6 +204,7 @@ def run(args: dict, out_path: str) -> None:
             else:
                 os.environ[key] = value
         entry.update({key: sorted(set(picks)) for key, picks in _picked.items()})
+        entry["amx_permission"] = _amx_permission()
         results[spec["name"]] = entry
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -75,8 +75,11 @@ def vllm_context(additional_config: dict | None = None):
         yield
 
 
-def make_layer(quant_config, ckpt: ExpertCheckpoint, *, tp=(1, 0), ep=(1, 0), top_k=2, swiglu_limit=None, additional_config=None):
-    """A real ``RoutedExperts`` for TP rank ``tp[1]`` of ``tp[0]`` or EP rank ``ep[1]`` of ``ep[0]``."""
+def make_layer(quant_config, ckpt: ExpertCheckpoint, *, tp=(1, 0), ep=(1, 0), top_k=2, swiglu_limit=None, additional_config=None,
+               dtype=None):
+    """A real ``RoutedExperts`` for TP rank ``tp[1]`` of ``tp[0]`` or EP rank ``ep[1]`` of ``ep[0]`` (activations in
+    ``dtype``, float32 unless given)."""
+    dtype = dtype or torch.float32
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -92,7 +95,7 @@ def make_layer(quant_config, ckpt: ExpertCheckpoint, *, tp=(1, 0), ep=(1, 0), to
     cfg = FusedMoEConfig(
         num_experts=n, experts_per_token=top_k, hidden_dim=ckpt.hidden, intermediate_size=ckpt.inter,
         num_local_experts=local, num_logical_experts=n, activation=MoEActivation.SILU, device="cpu",
-        routing_method=RoutingMethodType.Renormalize, moe_parallel_config=pc, in_dtype=torch.float32,
+        routing_method=RoutingMethodType.Renormalize, moe_parallel_config=pc, in_dtype=dtype,
     )
     if ep_size > 1:
         emap = torch.full((n,), -1, dtype=torch.int32)
@@ -104,7 +107,7 @@ def make_layer(quant_config, ckpt: ExpertCheckpoint, *, tp=(1, 0), ep=(1, 0), to
         map_global_to_local=(lambda g: int(emap[g])) if emap is not None else (lambda g: g),
     )
     with vllm_context(additional_config):
-        layer = RoutedExperts(PREFIX, torch.float32, cfg, quant_config, expert_map_manager=manager, swiglu_limit=swiglu_limit)
+        layer = RoutedExperts(PREFIX, dtype, cfg, quant_config, expert_map_manager=manager, swiglu_limit=swiglu_limit)
     return layer
 
 

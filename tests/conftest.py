@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_log import excerpt
 from hypothesis import settings
 
 TESTS_DIR = Path(__file__).parent
@@ -132,7 +133,7 @@ def run_models_child(args: dict, workdir: Path, env: dict | None = None, timeout
     proc = subprocess.run([sys.executable, str(TESTS_DIR / "_models_runner.py"), str(args_path), str(out_path)],
                           capture_output=True, text=True, timeout=timeout, env=child_env, cwd=workdir)
     full_log = proc.stdout + proc.stderr
-    log = full_log[-8000:]
+    log = excerpt(full_log, 8000)
     if not out_path.exists() and not may_die:
         raise AssertionError(f"the vLLM child wrote no results (exit {proc.returncode}):\n{log}")
     results = json.loads(out_path.read_text()) if out_path.exists() else {}

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_log import excerpt
 
 from vllm_moe_w8.tools import demo
 
@@ -34,7 +35,7 @@ def test_demo_serves_a_chat_answer_through_neuron_w8(tmp_path):
     pytest.importorskip("openai")
     proc = subprocess.run(_demo_cmd() + ["demo", "--dir", str(tmp_path / "demo"), "--json", "--timeout", "600"],
                           capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, excerpt(proc.stdout, 3000) + excerpt(proc.stderr, 5000)
     r = json.loads(proc.stdout)
     assert r["ok"] and isinstance(r["answer"], str)
     summary = "\n".join(r["load_summary"])

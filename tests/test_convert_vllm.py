@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_log import excerpt
 
 LAYER = "model.layers.0.mlp.experts"
 
@@ -123,12 +124,12 @@ def test_llm_same_logprobs_and_no_repack(tmp_path):
                           timeout=WORKER_TIMEOUT_S, env=env)
     log = proc.stdout + proc.stderr
     results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert len(results) == 2, log[-4000:]
+    assert len(results) == 2, excerpt(log)
     original, converted = results
     assert original["prompt_logprobs"] == converted["prompt_logprobs"]  # same weights -> same floats
     assert original["text"] == converted["text"]
     summaries = [l for l in log.splitlines() if "neuron-w8: processed" in l]
-    assert len(summaries) == 2, log[-4000:]
+    assert len(summaries) == 2, excerpt(log)
     assert "converted checkpoint: no repack" not in summaries[0]
     assert "converted checkpoint: no repack" in summaries[1] and "blocks shifted 0 of 0" in summaries[1]
 

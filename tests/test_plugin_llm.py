@@ -18,6 +18,7 @@ import sys
 import textwrap
 
 import pytest
+from child_log import excerpt, root_cause
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -47,7 +48,7 @@ def checkpoint(tmp_path_factory):
     return str(tiny_models.write_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3-moe-fp8", "qwen3-moe", fmt="block"))
 
 
-def _run_llm(tmp_path, model: str, llm_kwargs: dict, env_extra: dict) -> tuple[list, str]:
+def _run_llm(tmp_path, model: str, llm_kwargs: dict, env_extra: dict, expect_result: bool = True) -> tuple[list, str]:
     script = tmp_path / "run_llm.py"
     script.write_text(RUNNER)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **env_extra)
@@ -55,7 +56,10 @@ def _run_llm(tmp_path, model: str, llm_kwargs: dict, env_extra: dict) -> tuple[l
                           capture_output=True, text=True, timeout=900, env=env)
     log = proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result (exit {proc.returncode}):\n{log[-6000:]}"
+    if not expect_result:
+        assert not lines and proc.returncode != 0, f"expected the engine to refuse (exit {proc.returncode}):\n{excerpt(log)}"
+        return [], log
+    assert lines, f"no result (exit {proc.returncode}):\n{excerpt(log)}"
     return json.loads(lines[-1][len("RESULT "):]), log
 
 
@@ -64,7 +68,7 @@ def _check(result, log, mode, source):
     for r in result:
         assert len(r["tokens"]) == 6 and r["finite"]
     start = [line for line in log.splitlines() if "neuron-w8: loading routed experts" in line]
-    assert start, log[-4000:]
+    assert start, excerpt(log)
     assert f"mode {mode} ({source})" in start[0] and "compute path" in start[0] and "local experts 8 of 8" in start[0]
     summary = [line for line in log.splitlines() if "neuron-w8: processed 2 MoE layers" in line]
     assert summary and "expert bytes" in summary[0] and "self-check passed" in summary[0]
@@ -77,10 +81,23 @@ def test_llm_with_flag_upper_case_and_torch_compile(checkpoint, tmp_path):
 
 
 def test_llm_auto_claim_eager_with_additional_config_mode(checkpoint, tmp_path):
+    """Output-block scales run on the plugin's op only (named: a run that forces vLLM's kernel refuses them, below)."""
     kwargs = {"enforce_eager": True, "additional_config": {"neuron_w8": {"mode": "output-block"}}}
-    result, log = _run_llm(tmp_path, checkpoint, kwargs, {"VLLM_MOE_W8_AUTO": "1"})
+    result, log = _run_llm(tmp_path, checkpoint, kwargs, {"VLLM_MOE_W8_AUTO": "1", "VLLM_MOE_W8_CPU_KERNEL": "native"})
     _check(result, log, "output-block", "additional_config neuron_w8.mode")
     assert "claiming the fp8 checkpoint automatically" in log
+
+
+def test_llm_forcing_vllms_fp8_kernel_on_output_block_scales_refuses_to_start(checkpoint, tmp_path):
+    """``VLLM_MOE_W8_CPU_KERNEL=vllm-fp8`` with a layout vLLM's kernel cannot run (one scale per 128 rows) is an error
+    when the first MoE layer is created, on every host: the engine does not start, and the first exception in its
+    output names the setting, the reason and the remedy (nothing is served on another kernel than the one asked for)."""
+    kwargs = {"enforce_eager": True, "additional_config": {"neuron_w8": {"mode": "output-block"}}}
+    _, log = _run_llm(tmp_path, checkpoint, kwargs, {"VLLM_MOE_W8_AUTO": "1", "VLLM_MOE_W8_CPU_KERNEL": "vllm-fp8"},
+                      expect_result=False)
+    cause = root_cause(log)
+    assert "ValueError: VLLM_MOE_W8_CPU_KERNEL=vllm-fp8, but vLLM's FP8 MoE kernel cannot run this layer" in cause, excerpt(log)
+    assert "Unset VLLM_MOE_W8_CPU_KERNEL" in cause and "neuron-w8: loading routed experts" not in log
 
 
 def test_llm_on_vllms_fp8_kernel_under_torch_compile(checkpoint, tmp_path):
@@ -93,4 +110,4 @@ def test_llm_on_vllms_fp8_kernel_under_torch_compile(checkpoint, tmp_path):
     result, log = _run_llm(tmp_path, checkpoint, {"quantization": "neuron-w8"},
                            {"VLLM_MOE_W8_AUTO": "0", "VLLM_MOE_W8_CPU_KERNEL": "vllm-fp8"})
     _check(result, log, "pow2", "default")
-    assert "routed experts on CPU: vLLM's FP8 W8A16 MoE kernel (VLLM_MOE_W8_CPU_KERNEL=vllm-fp8" in log, log[-4000:]
+    assert "routed experts on CPU: vLLM's FP8 W8A16 MoE kernel (VLLM_MOE_W8_CPU_KERNEL=vllm-fp8" in log, excerpt(log)

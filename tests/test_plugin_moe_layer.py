@@ -258,6 +258,58 @@ def test_load_logs_start_and_summary(ckpt):
         assert piece in summary[0]
 
 
+def _start_lines(make):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.neuron_w8")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        made = make()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    return made, [r.getMessage() for r in records if "loading routed experts" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kernel, amx, mode", [("auto", True, "pow2"), ("auto", False, "pow2"), ("native", True, "pow2"),
+                                               ("auto", True, "output-block")])
+def test_load_start_line_names_the_kernel_that_really_runs(ckpt, tokens, monkeypatch, kernel, amx, mode):
+    """The first load line names the routed experts' kernel as decided for the layer (on an AMX host with a fitting
+    layout: vLLM's FP8 kernel, which is then the one apply calls), not the op by default. AMX is faked: the choice
+    reads ``amx_host()``, vLLM's kernel itself runs here (unless this vLLM build lacks it)."""
+    from vllm_moe_w8.vllm_glue import cpu_vllm_fp8 as vf
+
+    monkeypatch.setenv(vf.ENV, kernel)
+    monkeypatch.setattr(vf, "amx_host", lambda: amx)
+    calls = []
+    real_forward = vf.forward
+    monkeypatch.setattr(vf, "forward", lambda *a: calls.append(1) or real_forward(*a))
+    layer, start = _start_lines(lambda: _layer("block", ckpt, additional_config={"neuron_w8": {"mode": mode}},
+                                               dtype=torch.bfloat16))
+    runs_vllm = kernel == "auto" and amx and mode == "pow2" and vf.unavailable_reason() is None
+    assert len(start) == 1, start
+    assert (vf.KERNEL_NAME in start[0]) == runs_vllm and ("op.cpu.fused_moe_cpu" in start[0]) == (not runs_vllm), start[0]
+    assert layer.quant_method.cpu_kernel == ("vllm-fp8" if runs_vllm else "op")
+    x, w, ids = tokens
+    layer.quant_method.apply(layer, x.to(torch.bfloat16), w, ids)
+    assert bool(calls) == runs_vllm
+
+
+def test_forced_vllm_kernel_on_an_unfit_layer_stops_before_any_weight_is_read(ckpt, monkeypatch):
+    """``VLLM_MOE_W8_CPU_KERNEL=vllm-fp8`` with output-block scales (one scale per 128 rows: not vLLM's 128x128 tiles)
+    is refused when the layer is created, naming the setting, the reason and the remedy."""
+    from vllm_moe_w8.vllm_glue import cpu_vllm_fp8 as vf
+
+    monkeypatch.setenv(vf.ENV, "vllm-fp8")
+    with pytest.raises(ValueError, match=r"VLLM_MOE_W8_CPU_KERNEL=vllm-fp8, but vLLM's FP8 MoE kernel cannot run this layer"
+                                         r".*Unset VLLM_MOE_W8_CPU_KERNEL"):
+        make_layer(quant_config_for("block"), ckpt, additional_config={"neuron_w8": {"mode": "output-block"}},
+                   dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("mode", ["pow2", "output-block"])
 def test_converted_checkpoint_loads_without_repack(ckpt, tokens, mode):
     """uint8 codes + fp32 scales as `vllm-moe-w8 convert` writes them: loaded as they are (no second repack),

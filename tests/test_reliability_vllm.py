@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from child_log import excerpt
 
 import corrupt as C
 
@@ -93,7 +94,7 @@ def load_results(base, tmp_path_factory):
         if line.startswith("RESULT "):
             r = json.loads(line[len("RESULT "):])
             results[r["case"]] = r
-    assert len(results) == len(specs), f"worker exited {proc.returncode}; stderr tail:\n{proc.stderr[-3000:]}"
+    assert len(results) == len(specs), f"worker exited {proc.returncode}; stderr:\n{excerpt(proc.stderr, 3000)}"
     return {s["case"]: (s, results[s["case"]]) for s in specs}
 
 
@@ -171,5 +172,5 @@ def test_vllm_serve_on_broken_checkpoint_exits_without_serving(base, tmp_path):
     log.seek(0)
     text = log.read()
     assert not healthy, "the server answered /health OK on a checkpoint it cannot load"
-    assert proc.returncode not in (None, 0) and elapsed < SERVE_EXIT_BOUND_S, (proc.returncode, elapsed, text[-3000:])
-    assert bad in text and "NaN code" in text, text[-3000:]
+    assert proc.returncode not in (None, 0) and elapsed < SERVE_EXIT_BOUND_S, (proc.returncode, elapsed, excerpt(text, 3000))
+    assert bad in text and "NaN code" in text, excerpt(text, 3000)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_log import excerpt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -55,14 +56,14 @@ def server(tiny_checkpoint, tmp_path_factory):
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
+                raise AssertionError(f"vllm serve exited with {proc.returncode}:\n{excerpt(log_path.read_text())}")
             try:
                 if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
             except requests.RequestException:
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-6000:]}")
+                raise AssertionError(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s:\n{excerpt(log_path.read_text())}")
             time.sleep(1)
         yield {"port": port, "log": log_path}
     finally:
@@ -85,7 +86,7 @@ def client(server):
 def test_server_uses_neuron_w8(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     log = server["log"].read_text()
-    assert "neuron-w8: loading routed experts" in log, log[-4000:]
+    assert "neuron-w8: loading routed experts" in log, excerpt(log)
 
 
 def test_completions_plain_and_streaming_agree(client):

@@ -25,6 +25,7 @@ Modes of :func:`repack`:
   an error of exactly 2**-9 * old scale per such value, counted in ``stats.values_changed``.
 * ``output-block`` (lossy, opt-in): requantised from the exact dequantised weight with one scale
   per 128 output rows (amax / 240), so a kernel can accumulate a whole contraction and scale once.
+  A row block of zeros gets scale 1.0 (its codes are zeros; any scale would be exact, 1.0 divides safely).
 * ``lut`` (exact, portable): the original e4m3fn bytes with the scales as float32.
 """
 

@@ -34,6 +34,7 @@ from vllm_moe_w8.vllm_glue.cpu_amx_permission import cpu_flags
 ENV = "VLLM_MOE_W8_CPU_KERNEL"
 CHOICES = ("auto", "native", "vllm-fp8")
 BLOCK = (128, 128)
+KERNEL_NAME = "vLLM's FP8 W8A16 MoE kernel torch.ops._C.fused_experts_cpu"  # how the load log names this path
 
 
 def choice() -> str:

@@ -62,6 +62,7 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         self.block = self.ckpt_block  # tile of the stored grids after processing
         self.processed = False
         self.cpu_kernel = "op"  # "vllm-fp8": the experts are prepacked for vLLM's FP8 kernel (cpu_vllm_fp8)
+        self.cpu_choice: tuple[bool, str] | None = None  # cpu_vllm_fp8.decide's answer, made in create_weights
         self.expert_loads: ExpertLoads | None = None  # made by create_weights
         self.expect_checkpoint_loads = loads_from_checkpoint()
 
@@ -111,11 +112,24 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         layer.register_parameter(f"w2_{self.suffix}", s2)
         layer.w13_input_scale = None
         layer.w2_input_scale = None
+        if layer.w13_weight.device.type == "cpu":  # decided before any weight is read: a forced, unfit kernel stops here
+            self.cpu_choice = cpu_vllm_fp8.decide(
+                self._final_block(), self.code_format, inter, moe.in_dtype, float(getattr(layer, "swiglu_limit", None) or 0.0),
+                bool(moe.moe_parallel_config.use_ep))
         if self.load_summary.layer_created():
             self._log_load_start(layer, num_experts)
 
+    def _final_block(self) -> tuple[int, int]:
+        """The tile of the stored scale grids after processing (a converted checkpoint's stored tile is final)."""
+        if self.mode == "output-block" and not self.fmt.converted:
+            return (fp8.OUTPUT_BLOCK_ROWS, 0)
+        return self.load_block
+
     def _log_load_start(self, layer, num_experts: int) -> None:
         path, why = custom_op.compute_path(layer.w13_weight.device)
+        if self.cpu_choice is not None:  # name the kernel that will really run the experts, and why
+            use_vllm, reason = self.cpu_choice
+            path, why = (cpu_vllm_fp8.KERNEL_NAME, reason) if use_vllm else (path, f"{reason}; {why}")
         mp = self.moe.moe_parallel_config
         logger.info(
             "neuron-w8: loading routed experts: method %s, checkpoint %s, mode %s (%s), compute path %s (%s); "
@@ -157,11 +171,10 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
         s13, s2 = getattr(layer, f"w13_{self.suffix}").data, getattr(layer, f"w2_{self.suffix}").data
         bytes_before = w13.numel() + w2.numel() + 4 * (s13.numel() + s2.numel())
         sampled = self._sampled()
+        self.block = self._final_block()
         if self.fmt.converted:  # codes and scales are final: the stored tile is the load tile
-            self.block = self.load_block
             new_s13, new_s2, originals, rounded, stats = s13, s2, {}, {}, fp8.RepackStats()
         else:
-            self.block = (fp8.OUTPUT_BLOCK_ROWS, 0) if self.mode == "output-block" else self.load_block
             originals = {e: (w13[e].clone(), s13[e].clone(), w2[e].clone(), s2[e].clone()) for e in sampled}
             new_s13, new_s2, rounded, stats = self._repack(w13, s13, w2, s2, global_ids)
         if new_s13 is not s13:
@@ -173,8 +186,8 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
                 prefix=self.prefix, mode=self.mode, code_format=self.code_format, inter=self.inter,
                 load_block=self.load_block, block=self.block,
             )
-        if w13.device.type == "cpu":
-            self._choose_cpu_kernel(layer)
+        if self.cpu_choice is not None:
+            self._use_cpu_kernel(layer)
         self.processed = True
         seconds = time.perf_counter() - t0
         logger.debug(
@@ -187,11 +200,9 @@ class NeuronW8MoEMethod(FusedMoEMethodBase):
             stats=stats, seconds=seconds, checked_experts=len(sampled),
         )
 
-    def _choose_cpu_kernel(self, layer) -> None:
-        """vLLM's FP8 kernel or the op (cpu_vllm_fp8.decide); for vLLM's, the codes are replaced by its prepacked copy."""
-        use, why = cpu_vllm_fp8.decide(
-            self.block, self.code_format, self.inter, self.moe.in_dtype, float(getattr(layer, "swiglu_limit", None) or 0.0),
-            layer.expert_map is not None)
+    def _use_cpu_kernel(self, layer) -> None:
+        """vLLM's FP8 kernel or the op, as decided in create_weights; for vLLM's, the codes become its prepacked copy."""
+        use, why = self.cpu_choice
         if why not in _logged_cpu_kernels:
             _logged_cpu_kernels.add(why)
             logger.info("neuron-w8: routed experts on CPU: %s (first layer: %s)", why, self.prefix)
