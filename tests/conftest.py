@@ -72,6 +72,12 @@ CPU_LINE = cpu_variant_line(CPU_FLAGS, cpu_model())
 def pytest_report_header(config):
     return CPU_LINE
 
+
+def pytest_addoption(parser):
+    parser.addoption("--vllm-neuron-tree", default=None, metavar="FOLDER",
+                     help="a folder of real vllm-neuron files (tests/neuron_realtree/README.md): the Neuron glue's "
+                          "real-tree tests run against it (also VLLM_MOE_W8_VLLM_NEURON_TREE); without it they skip")
+
 # CI (CI=true) replays the same hypothesis examples every run, so a red CI is reproducible and never a coin toss;
 # local runs keep exploring new examples (and store failures in .hypothesis/ for replay).
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_moe_w8.tiny_models import neuron_layouts
 from vllm_moe_w8.tiny_models.glm import glm4_moe, glm_moe_dsa
 from vllm_moe_w8.tiny_models.layout import (
     ARCHITECTURES,
@@ -34,6 +35,7 @@ FAMILIES = {
     "glm4_moe": glm4_moe,
     "glm_moe_dsa": glm_moe_dsa,
 }
+LAYOUTS = ("official", "vllm-neuron")  # vllm-neuron: the fork's pinned layout contract (tiny_models.neuron_layouts)
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], kind: str, init: str | None, gen: torch.Generator) -> torch.Tensor:
@@ -98,6 +100,7 @@ def write_checkpoint(
     fmt: str = "block",
     scale_dtype: torch.dtype | None = None,
     seed: int = 0,
+    layout: str = "official",
     **overrides,
 ) -> Path:
     """Write a tiny random FP8 checkpoint of ``arch`` in the official layout; return its path.
@@ -106,10 +109,18 @@ def write_checkpoint(
     "channel" (compressed-tensors per-channel, ``weight_scale`` [N, 1]).
     ``scale_dtype``: float32, bfloat16 or float16 (default: the family's official choice).
     ``overrides``: any :class:`TinySizes` field (e.g. ``num_experts=16``, ``num_shards=3``).
+    ``layout``: "official" (the released checkpoints' layout, as vLLM's own model classes read it) or
+    "vllm-neuron" (the layout contract vllm-neuron's fork code pins, where it differs: :mod:`neuron_layouts`).
     """
     arch = resolve_architecture(arch)
     family = ARCHITECTURES[arch]
-    if family not in FAMILIES:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    plan_fn = FAMILIES.get(family) if layout == "official" else neuron_layouts.PLANS.get((layout, family))
+    if layout != "official" and plan_fn is None:
+        raise ValueError(f"no {layout!r} layout for {arch}; {layout!r} layouts exist for "
+                         f"{sorted(f for lay, f in neuron_layouts.PLANS if lay == layout)}")
+    if plan_fn is None:
         raise NotImplementedError(
             f"tiny {arch} (GLM-5.3-Flash) checkpoints are not generated: its KDA linear attention runs only as "
             "Triton GPU kernels and its DSA layers are refused by vLLM's CPU build ('Sparse Attention is not "
@@ -128,7 +139,7 @@ def write_checkpoint(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(path)
-    sizes = replace(FAMILY_SIZES[family], **overrides)
+    sizes = replace(neuron_layouts.SIZES.get((layout, family), FAMILY_SIZES[family]), **overrides)
     if sizes.vocab_size == 0:
         sizes = replace(sizes, vocab_size=64 * math.ceil(vocab["size"] / 64))
     if sizes.vocab_size < vocab["size"]:
@@ -136,7 +147,7 @@ def write_checkpoint(
     if sizes.num_shards < 2:
         raise ValueError("num_shards must be >= 2 (the official checkpoints are sharded)")
 
-    plan, config, processor = FAMILIES[family](sizes, vocab)
+    plan, config, processor = plan_fn(sizes, vocab)
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     not_converted: list[str] = []

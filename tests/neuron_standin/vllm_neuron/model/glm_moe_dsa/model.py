@@ -1,23 +1,25 @@
 """STAND-IN: the parts of vllm_neuron/model/glm_moe_dsa/model.py (fork @02ef7111) the glue touches.
 
-``GlmMoeDsaForCausalLM(config, tensor_parallel_size, *, expert_parallel_rank, tp_group)`` builds its decoder with
-``expert_parallel_size = tensor_parallel_size`` (pure EP over the TP world; the shared expert and the dense MLP are
-TP shards of that rank); ``rank = expert_parallel_rank``. Its ``load_weights(checkpoint_path, device, cache_dir)``
-does what the fork's does, in order: the manifest (index + headers); ``checkpoint_mappings``: every parameter to one
-checkpoint key (``mlp.router.gate.*`` -> ``mlp.gate.*``; ``mlp.experts.experts.<local>.*`` ->
-``mlp.experts.<global>.*``, refused when absent); ``_account_manifest``: the mapped keys must equal the rank's load
-plan exactly (its routed experts and everything shared), else ValueError naming what is missing; weight loaders:
-FP8 ``.weight`` -> ``(w.float() * FP8_STORAGE_SCALE).to(float8_e4m3fn)`` of the rank's slice (refused unless the
-parameter is float8_e4m3fn), ``weight_scale_inv`` -> ``scale * FP8_INVERSE_SCALE_ADJUSTMENT`` of the covering
-blocks, other sharded tensors cut per rank; ``SafetensorsCheckpoint.load_sharded_pipelined(..., strict=True)`` (the
-4-thread loader); ``load_state_dict(strict=True, assign=True)``; the routers' selection identities made on
-``device``. ``load_weights_lite`` reads the index only.
+``GlmMoeDsaForCausalLM(config, tensor_parallel_size, *, expert_parallel_rank, tp_group)`` builds what the fork
+builds, as parameter holders where the fork runs NKI kernels: the vocabulary-sharded embedding, per layer the norms,
+the MLA attention and (on the fork's indexer layers) the indexer (attention.py), the dense MLP (layers below
+``first_k_dense_replace``) or the MoE block (moe.py: ``expert_parallel_size = tensor_parallel_size``, pure EP over
+the TP world), the final norm and the vocabulary-sharded ``lm_head``; it refuses, as the fork's ``__init__`` does, an
+on-device sampling config that is not greedy ("GLM-5.2 on-device sampling supports greedy only": the runner's default
+``NeuronConfig.from_dict({})`` is not greedy). ``load_weights(checkpoint_path, device, cache_dir)`` in the fork's
+order: the manifest (weight_loaders: key count, grammar, headers), ``checkpoint_mappings`` (every parameter to one
+load-target key), ``_account_manifest`` (mapped keys == the rank-local plan, ``local_load_plan``'s import-time
+``PINNED_EP``), weight loaders (FP8 ``.weight`` -> 240/448 re-rounded float8_e4m3fn bytes of the rank's slice,
+refused for a non-FP8 parameter; ``weight_scale_inv`` x 448/240 of the covering blocks; other sharded tensors cut),
+``load_sharded_pipelined(..., strict=True)``, ``load_state_dict(strict=True, assign=True)``, router selection
+identities. ``load_weights_lite`` reads the index only and plans with this module's own ``PINNED_EP`` name (bound
+at import, as the fork's).
 
-Labelled differences: no attention, indexer, KV cache, embedding, LM head or sampler (their keys are outside the
-stand-in's plan, weight_loaders.py); the RMSNorm is the plain ``weight * x / rms`` form; the forward is the
-stand-in's own: every MoE layer's post-attention norm -> ``mlp(flat, is_decode=...)`` -> the all-reduce over the TP
-group the decoder does, on the same hidden states, outputs stacked [moe_layers, T, H]. The fork loads with
-``load_sharded`` when torch.distributed is not initialised; the stand-in's ranks are threads, so always pipelined."""
+Labelled differences: attention, indexer, embedding, LM head and sampler have no forward (never called by the glue);
+the forward is the stand-in's own (every MoE layer's post-attention half on the same hidden states, stacked
+[moe_layers, T, H]); the ranks are threads, so the TP group is the stand-in's (the fork takes vLLM's) and loading
+is always pipelined."""
+
 
 import re
 from collections import Counter
@@ -31,33 +33,30 @@ from vllm_neuron.utils.checkpoints import SafetensorsCheckpoint
 from vllm_neuron.utils.weight_loader import SafetensorsWeightLoader, set_weight_loader
 
 from . import weight_loaders as wl
+from .attention import INDEXER_LAYERS, GlmMoeDsaAttention, GlmMoeDsaIndexer, GlmMoeDsaRMSNorm
 from .block_fp8 import FP8_INVERSE_SCALE_ADJUSTMENT, FP8_STORAGE_SCALE
 from .config import GlmMoeDsaConfig
 from .mlp import GlmMoeDsaSwiGLUMLP
 from .moe import GlmMoeDsaMoE
-
-
-class GlmMoeDsaRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps, dtype=torch.bfloat16, device=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
-        self.eps = eps
-
-    def forward(self, hidden_states):
-        h = hidden_states.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(hidden_states.dtype)
+from .weight_loaders import PINNED_EP
 
 
 class GlmMoeDsaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx, *, tensor_parallel_size, expert_parallel_size, expert_parallel_rank,
                  collective_group=None, device=None):
         super().__init__()
+        if config.num_attention_heads % tensor_parallel_size:
+            raise ValueError(f"num_attention_heads={config.num_attention_heads} is not divisible by TP={tensor_parallel_size}")
         self.layer_idx = layer_idx
         self.is_dense = layer_idx < config.first_k_dense_replace
         self.is_moe = not self.is_dense
         self.tp_group, self.world_size = collective_group, tensor_parallel_size
-        self.post_attention_layernorm = GlmMoeDsaRMSNorm(config.hidden_size, config.rms_norm_eps, config.torch_dtype, device)
+        norm = dict(dtype=config.torch_dtype, device=device)
+        self.input_layernorm = GlmMoeDsaRMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
+        self.post_attention_layernorm = GlmMoeDsaRMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
+        self.self_attn = GlmMoeDsaAttention(config, world=tensor_parallel_size, rank=expert_parallel_rank, device=device)
+        if layer_idx in INDEXER_LAYERS:
+            self.self_attn.indexer = GlmMoeDsaIndexer(config, device=device)
         if self.is_dense:
             self.mlp = GlmMoeDsaSwiGLUMLP.dense_from_config(config, tensor_parallel_size=tensor_parallel_size,
                                                             tensor_parallel_rank=expert_parallel_rank, device=device)
@@ -78,16 +77,26 @@ class GlmMoeDsaDecoderLayer(nn.Module):
         return out
 
 
+class _VocabSharded(nn.Module):
+    """The embedding / LM head's parameter: ``weight [vocab / TP, hidden]`` (vllm_neuron/nn is not in any stored tree)."""
+
+    def __init__(self, vocab, hidden, world, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab // world, hidden, dtype=dtype, device=device))
+
+
 class GlmMoeDsaModel(nn.Module):
     def __init__(self, config, *, tensor_parallel_size, expert_parallel_size, expert_parallel_rank,
                  collective_group=None, device=None):
         super().__init__()
         self.config = config
+        self.embed_tokens = _VocabSharded(config.vocab_size, config.hidden_size, tensor_parallel_size, config.torch_dtype, device)
         self.layers = nn.ModuleList(
             GlmMoeDsaDecoderLayer(config, i, tensor_parallel_size=tensor_parallel_size,
                                   expert_parallel_size=expert_parallel_size, expert_parallel_rank=expert_parallel_rank,
                                   collective_group=collective_group, device=device)
             for i in config.main_layer_indices)
+        self.norm = GlmMoeDsaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=config.torch_dtype, device=device)
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
@@ -101,6 +110,11 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.model = GlmMoeDsaModel(config, tensor_parallel_size=tensor_parallel_size,
                                     expert_parallel_size=tensor_parallel_size, expert_parallel_rank=expert_parallel_rank,
                                     collective_group=self.tp_group, device=device)
+        sampling = getattr(config.neuron_config, "on_device_sampling_config", None)
+        if sampling is not None and not sampling.all_greedy:
+            raise ValueError("GLM-5.2 on-device sampling supports greedy only")
+        self.on_device_sampling_config = sampling
+        self.lm_head = _VocabSharded(config.vocab_size, config.hidden_size, tensor_parallel_size, config.torch_dtype, device)
         self.last_load_report = None
 
     @classmethod
@@ -129,14 +143,18 @@ class GlmMoeDsaForCausalLM(nn.Module):
             key = self._checkpoint_key_for_parameter(name)
             if key not in by_key:
                 raise ValueError(f"No pinned checkpoint tensor for model parameter {name!r}: expected {key!r}")
+            if by_key[key].info.disposition not in (wl.Disposition.LOAD_TARGET, wl.Disposition.FP8_SCALE):
+                raise ValueError(f"Parameter maps to non-load target {key}")
             mappings[name] = key
         return mappings
 
     def _shard_dim(self, key, shape):
+        if ".self_attn.indexer." in key:
+            return None
         try:
             return wl.tp_shard_spec_for_key(key, shape, world_size=self.tensor_parallel_size).shard_dim
         except ValueError:
-            return None
+            return 0 if key in ("model.embed_tokens.weight", "lm_head.weight") else None
 
     def _fp8_weight_loader(self, key, global_shape, shard_dim):
         world = self.tensor_parallel_size
@@ -187,7 +205,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
                 set_weight_loader(parameter, self._sharding_loader(shard_dim, parameter.shape[shard_dim]))
 
     def _account_manifest(self, manifest, mappings):
-        planned = {e.key for e in wl.local_load_plan(manifest, ep_rank=self.rank)}
+        planned = {e.key for e in wl.local_load_plan(manifest, ep_rank=self.rank)}  # its default ep: bound at import
         mapped = {k for src in mappings.values() for k in (src if isinstance(src, list) else [src])}
         if mapped != planned:
             raise ValueError("Checkpoint mapping does not exactly account for the rank-local plan; "
@@ -212,4 +230,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.last_load_report = report
 
     def load_weights_lite(self, checkpoint_path, device, cache_dir=None):
-        SafetensorsCheckpoint(checkpoint_path, cache_dir)._ensure_indexed()
+        """Index only (no shard is opened): the rank's keys counted with this module's ``PINNED_EP``."""
+        index = wl.load_checkpoint_index(Path(checkpoint_path) / "model.safetensors.index.json")
+        infos = [wl.classify_checkpoint_key(k) for k in index.key_to_shard]
+        local = [i for i in infos if i.disposition is not wl.Disposition.INTENTIONAL_SKIP and PINNED_EP.rank_loads(i, self.rank)]
+        self.last_load_report = Counter(i.disposition for i in local)

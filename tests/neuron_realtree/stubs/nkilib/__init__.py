@@ -1,0 +1,1 @@
+"""STUB package marker (real-tree mode): see the modules below it."""

@@ -1,0 +1,6 @@
+"""STUB (real-tree mode, tests only): the qwen3 family that the real model/registry.py imports beside the families under
+test. Not part of the tree (outside neuron-w8); each class is a placeholder so the registry lists what it lists."""
+
+
+class Qwen3ForCausalLM:
+    """Placeholder for vllm_neuron.model.qwen3.Qwen3ForCausalLM (not read)."""

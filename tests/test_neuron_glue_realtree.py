@@ -1,0 +1,152 @@
+"""The Neuron glue inside vllm-neuron, the same tests in two trees: the stand-in (tests/neuron_standin, CI) and a
+local folder of real, unmodified vllm-neuron files (``--vllm-neuron-tree=<folder>``, tests/_realtree.py; skipped,
+naming the option, without it). Only Neuron-only pieces are stubbed there (tests/neuron_realtree/stubs, each saying
+what it replaces).
+
+Each run builds every rank the way vllm-neuron's runner does (tests/_glue_ranks.py): the family's factory on meta,
+its own ``load_weights`` (the real threaded ``SafetensorsCheckpoint`` loader in the real tree), ``.to(cpu)``, and
+``torch.compile(fullgraph=True, dynamic=False)`` of the decoder layers' MoE halves. In the real tree ranks are
+processes with torch.distributed (gloo) and the process groups the real ``neuron_parallel_state`` makes; in the
+stand-in, threads. Gates: ``REL_TOL`` against a float64 reference (test_neuron_glue_experts, with its fault twins),
+``EXACT_BOUND`` for the stored experts (test_neuron_glue_glm5), one graph per shape and no recompile over a second
+routing, the loader's worker threads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import _glue_families as fams
+import _glue_ranks as gr
+import _neuron_standin as st
+import _realtree as rt
+from test_neuron_glue_experts import REL_TOL
+from test_neuron_glue_glm5 import EXACT_BOUND, inexact_values
+
+CASES = [("decode", 6, True, 1), ("prefill", 160, False, 2)]  # selective decode; block prefill (> 128 tokens)
+SECOND = 100  # the second routing's seed offset
+
+
+@pytest.fixture(scope="session")
+def real_folder(request):
+    folder = rt.folder_from(request.config)
+    if folder is None:
+        pytest.skip(rt.SKIP_REASON)
+    problems = rt.verify(folder)
+    if problems:
+        pytest.fail("the real-tree folder does not match tests/neuron_realtree/MANIFEST.toml:\n" + "\n".join(problems))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def assembled(tmp_path_factory):
+    return tmp_path_factory.mktemp("realtree")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root, cache = tmp_path_factory.mktemp("rt_ckpt"), {}
+
+    def make(family: str) -> Path:
+        if family not in cache:
+            cache[family] = fams.FAMILIES[family].write(root / family)
+        return cache[family]
+
+    return make
+
+
+@pytest.fixture(params=["standin", "real"])
+def tree(request):
+    if request.param == "real":
+        request.getfixturevalue("real_folder")
+    return request.param
+
+
+@pytest.fixture()
+def run(request, tree, assembled, tmp_path, monkeypatch):
+    """``run(job) -> [per-rank results]`` in this test's tree."""
+
+    def go(job: gr.Job):
+        if tree == "real":
+            root = rt.assemble(request.getfixturevalue("real_folder"), job.family, assembled)
+            return gr.run_real(job, root, tmp_path / f"{job.family}-{job.world}")
+        from vllm_moe_w8.neuron_glue import registration
+
+        monkeypatch.setattr(registration, "current_vllm_config", registration.current_vllm_config)  # restored after
+        st.put_standin_on_path()
+        torch._dynamo.reset()
+        try:
+            return gr.run_standin(job)
+        finally:
+            torch._dynamo.reset()
+            st.drop_standin()
+
+    return go
+
+
+def reference(family: str, ckpt: Path):
+    config = json.loads((ckpt / "config.json").read_text())
+    tensors = st.checkpoint_tensors(ckpt)
+    if family == "glm_moe_dsa":
+        layers = [i for i in range(config["num_hidden_layers"]) if i >= config["first_k_dense_replace"]]
+        return tensors, layers, lambda layer, h: fams.glm5_reference(tensors, layer, h, config)
+    raise NotImplementedError(family)
+
+
+def stored_values(kw: dict, plan: dict):
+    """{(global expert, proj): stored value fp32} from one bank's kernel-layout buffers (test_neuron_glue_glm5)."""
+    import ml_dtypes
+    import numpy as np
+
+    from vllm_moe_w8.codec import fp8
+    from vllm_moe_w8.kernels.host import KernelWeights
+    from vllm_moe_w8.neuron_glue.loaders import from_kernel_layout
+
+    weights = KernelWeights(kw["w8_w13"], kw["w8_w13_scales"], kw["w8_w2"], kw["w8_w2_scales"], "pow2")
+    w13, w2 = from_kernel_layout(weights)
+    i_r = plan["intermediate_size"] // plan["tp_degree"]
+    first = plan["ep_rank"] * (plan["num_experts"] // plan["ep_degree"])
+    out = {}
+    for e in range(w13.shape[0]):
+        for proj, codes, scales in (("gate_proj", w13[e, :i_r], weights.w13_scales[e, : i_r // 128]),
+                                    ("up_proj", w13[e, i_r:], weights.w13_scales[e, i_r // 128:]),
+                                    ("down_proj", w2[e], weights.w2_scales[e])):
+            values = torch.from_numpy(codes.numpy().view(ml_dtypes.float8_e4m3).astype(np.float32))
+            out[(first + e, proj)] = values * fp8.expand_scales(scales, tuple(codes.shape), (128, 128))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("family", ["glm_moe_dsa"])
+def test_build_threaded_load_float64_and_fullgraph(run, checkpoints, family, world):
+    """Every rank: the bank is neuron-w8's, the load ran on the loader's worker threads, each stored expert is the
+    checkpoint's value within EXACT_BOUND, one graph per shape with one kernel launch per MoE layer, no recompile
+    for a second routing, and both routings' MoE halves within REL_TOL of the float64 reference."""
+    ckpt = checkpoints(family)
+    tensors, layers, want = reference(family, ckpt)
+    results = run(gr.Job(family, world, False, str(ckpt), cases=CASES, compile=True, second_seed=SECOND))
+    assert len(results) == world
+    for res in results:
+        rank = res["rank"]
+        assert all(name.startswith("W8") for name in res["bank_classes"]), res["bank_classes"]
+        assert res["threads"] and res["caller"] not in res["threads"], "the load ran on the loader's worker threads"
+        assert res["graphs"] == len(CASES) and res["graphs_after_second"] == len(CASES), "one graph per shape, no recompile"
+        assert all(k == ["moe_w8_blocks_pow2"] * len(layers) for k in res["kernels"]), res["kernels"]
+        for kw, plan, layer in zip(res["kernel_weights"], res["plans"], layers):
+            for (g, proj), got in stored_values(kw, plan).items():
+                assert inexact_values(got, tensors, f"model.layers.{layer}.mlp.experts.{g}.{proj}.weight") == 0, (rank, g, proj)
+        for key, offset in (("outputs", 0), ("outputs_second", SECOND)):
+            for name, tokens, _, seed in CASES:
+                for i, layer in enumerate(layers):
+                    got = res[key][name][i]
+                    assert got.dtype == torch.bfloat16
+                    err = st.rel_err(got, want(layer, gr.hidden(tokens, seed + offset, got.shape[-1])))
+                    assert err <= REL_TOL, f"rank {rank} {key} {name} layer {layer}: {err:.2e}"
+
+
+def test_the_exactness_bound_is_tight():
+    assert EXACT_BOUND < 2.0**-8

@@ -1,0 +1,96 @@
+"""Tiny checkpoints in the layouts vllm-neuron's GLM code accepts (``write_checkpoint(..., layout="vllm-neuron")``).
+
+The fork jinhuang12/vllm-neuron checks a GLM-5 checkpoint against a pinned *contract*. Some of its pins are about
+size (118,629 index keys, hidden 6144, 256 experts, TP 64: a tiny model relaxes exactly those, in the tests), the
+others about layout, which a tiny checkpoint can honour as it is. This module writes the layout ones as the fork
+states them (DEVELOPING.md, "vllm-neuron interfaces we use", pins the files):
+
+GLM-5 (``model/glm_moe_dsa``: ``weight_loaders.py`` key grammar and ``GlmMoeDsaCheckpointContract``, ``model.py``,
+``attention.py``, ``indexer.py``, ``cache.py``):
+
+* layers ``0 .. first_k_dense_replace - 1`` (3, the contract's value) are dense MLP layers, the rest MoE layers
+  (router, routed experts, shared expert); a dense tensor on a MoE layer or an expert tensor on a dense one is an
+  ``UnexpectedCheckpointKey`` there;
+* indexer tensors (``self_attn.indexer.{wq_b,wk,k_norm,weights_proj}``) only on the contract's indexer layers
+  ``(0, 1, 2, 6, 10, ...)``, with the fork's indexer shape: 32 heads of 128 (``GlmMoeDsaIndexer`` defaults), a
+  LayerNorm ``k_norm`` with weight and bias;
+* MLA with ``kv_lora_rank + qk_rope_head_dim = 576`` (``cache.MLA_CACHE_HEAD_SIZE``), every linear block-FP8 with an
+  fp32 ``weight_scale_inv``, except ``weights_proj``, the router gate, norms, embedding and ``lm_head`` (bf16);
+* outer keys exactly ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``; the index has
+  ``metadata.total_size`` (``CheckpointIndex.from_file`` refuses an index without it);
+* top-8 routing (the pinned ``num_experts_per_tok``).
+"""
+
+from __future__ import annotations
+
+from vllm_moe_w8.tiny_models.layout import Plan, TinySizes, embed_and_head, layer_norms
+
+GLM5_FIRST_DENSE = 3  # GlmMoeDsaCheckpointContract.first_k_dense_replace
+GLM5_INDEXER_LAYERS = (0, 1, 2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 66, 70, 74)  # cache.py
+GLM5_MLA = {"q_lora_rank": 256, "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
+            "v_head_dim": 64, "index_n_heads": 32, "index_head_dim": 128, "index_topk": 64}
+
+# write_checkpoint's defaults per (layout, family), before the caller's overrides.
+SIZES = {
+    ("vllm-neuron", "glm_moe_dsa"): TinySizes(num_hidden_layers=GLM5_FIRST_DENSE + 1, num_experts=16,
+                                              num_experts_per_tok=8, moe_intermediate_size=256,
+                                              intermediate_size=512, num_attention_heads=2),
+}
+
+
+def _mla(p: Plan, pre: str, s: TinySizes, m: dict, indexer: bool) -> None:
+    h, nh = s.hidden_size, s.num_attention_heads
+    p.add(f"{pre}.q_a_proj.weight", (m["q_lora_rank"], h), "fp8")
+    p.add(f"{pre}.q_a_layernorm.weight", (m["q_lora_rank"],), "norm")
+    p.add(f"{pre}.q_b_proj.weight", (nh * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"]), m["q_lora_rank"]), "fp8")
+    p.add(f"{pre}.kv_a_proj_with_mqa.weight", (m["kv_lora_rank"] + m["qk_rope_head_dim"], h), "fp8")
+    p.add(f"{pre}.kv_a_layernorm.weight", (m["kv_lora_rank"],), "norm")
+    p.add(f"{pre}.kv_b_proj.weight", (nh * (m["qk_nope_head_dim"] + m["v_head_dim"]), m["kv_lora_rank"]), "fp8")
+    p.add(f"{pre}.o_proj.weight", (h, nh * m["v_head_dim"]), "fp8")
+    if indexer:
+        ip = f"{pre}.indexer"
+        p.add(f"{ip}.wq_b.weight", (m["index_n_heads"] * m["index_head_dim"], m["q_lora_rank"]), "fp8")
+        p.add(f"{ip}.wk.weight", (m["index_head_dim"], h), "fp8")
+        p.add(f"{ip}.k_norm.weight", (m["index_head_dim"],), "norm")
+        p.add(f"{ip}.k_norm.bias", (m["index_head_dim"],), "bf16")
+        p.add(f"{ip}.weights_proj.weight", (m["index_n_heads"], h), "linear")
+
+
+def glm_moe_dsa(s: TinySizes, v: dict):
+    """GLM-5 in the fork's layout (module docstring); the config keys the fork's ``GlmMoeDsaConfig`` reads."""
+    if s.num_hidden_layers <= GLM5_FIRST_DENSE:
+        raise ValueError(f"GLM-5 (vllm-neuron layout): num_hidden_layers must exceed first_k_dense_replace "
+                         f"{GLM5_FIRST_DENSE} so that a MoE layer exists; got {s.num_hidden_layers}")
+    p = Plan()
+    embed_and_head(p, "model", s)
+    for layer in range(s.num_hidden_layers):
+        pre = f"model.layers.{layer}"
+        layer_norms(p, pre, s.hidden_size)
+        _mla(p, f"{pre}.self_attn", s, GLM5_MLA, indexer=layer in GLM5_INDEXER_LAYERS)
+        if layer < GLM5_FIRST_DENSE:
+            p.mlp(f"{pre}.mlp", s.hidden_size, s.intermediate_size)
+        else:
+            p.add(f"{pre}.mlp.gate.weight", (s.num_experts, s.hidden_size), "linear")
+            p.add(f"{pre}.mlp.gate.e_score_correction_bias", (s.num_experts,), "fp32", init="small")
+            p.experts(f"{pre}.mlp", s)
+            p.mlp(f"{pre}.mlp.shared_experts", s.hidden_size, s.moe_intermediate_size)
+    mla = {k: GLM5_MLA[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                    "index_topk")}
+    config = {
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+        "bos_token_id": v["bos"], "eos_token_id": v["eos"], "pad_token_id": v["pad"],
+        "first_k_dense_replace": GLM5_FIRST_DENSE, "hidden_act": "silu", "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size, **mla, "index_n_heads": GLM5_MLA["index_n_heads"],
+        "index_head_dim": GLM5_MLA["index_head_dim"], "max_position_embeddings": 4096,
+        "moe_intermediate_size": s.moe_intermediate_size, "n_group": 1, "n_routed_experts": s.num_experts,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": s.num_attention_heads,
+        "num_experts_per_tok": s.num_experts_per_tok, "num_hidden_layers": s.num_hidden_layers,
+        "num_key_value_heads": s.num_attention_heads, "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"}, "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "tie_word_embeddings": False, "topk_group": 1,
+        "torch_dtype": "bfloat16", "vocab_size": s.vocab_size,
+    }
+    return p, config, None
+
+
+PLANS = {("vllm-neuron", "glm_moe_dsa"): glm_moe_dsa}
