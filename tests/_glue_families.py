@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig  # here, not in a rank thread: transformers imports lazily
+from transformers import AutoConfig, PretrainedConfig  # here, not in a rank thread: it imports lazily
 
 import _neuron_standin as st
 
@@ -44,6 +44,12 @@ def hf_config(ckpt: Path):
     return AutoConfig.from_pretrained(str(ckpt))
 
 
+def plain_hf_config(ckpt: Path):
+    """config.json as a plain PretrainedConfig, every key under its own name (transformers 4.x's ``to_dict()``
+    keeps ``num_experts``; 5.x's Qwen3-MoE config renames it ``num_local_experts``, DEVELOPING.md)."""
+    return PretrainedConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
+
+
 @dataclass
 class Family:
     name: str
@@ -54,11 +60,12 @@ class Family:
     relax: Callable  # (ckpt, world, how) -> None, in the rank's process, after the tree is importable
     build: Callable  # (factory_cls, hf_config, neuron_config) -> model (under torch.device("meta"))
     moe_layers: Callable  # model -> [decoder layer]
-    moe_half: Callable  # (model, layer, hidden [T, H], decode: bool) -> [T, H]
+    moe_half: Callable  # (model, layer, hidden [T', H], decode: bool, positions [T]) -> [T', H]
     bank: Callable  # layer -> the adopted module holding the experts
     reference: Callable  # (tensors, layer index, hidden [T, H]) -> float64 [T, H]
+    config: Callable = hf_config  # ckpt -> the hf_config the runner hands the factory
+    sequence_parallel_prefill: bool = False  # prefill input is the rank's chunk of T (Qwen's SP); else all T
     ep_layouts: tuple[bool, ...] = (False,)  # EP as a separate layout (Qwen); GLM-5's EP is its TP
-    extra: dict = field(default_factory=dict)
 
 
 # ---- GLM-5: fork jinhuang12/vllm-neuron model/glm_moe_dsa (model.py @02ef711 GlmMoeDsaDecoderLayer.forward) -------
@@ -88,7 +95,7 @@ def _glm5_relax(ckpt: Path, world: int, how: str = "bind") -> None:
     model.PINNED_EP = ep
 
 
-def _glm5_moe_half(model, layer, hidden, decode):
+def _glm5_moe_half(model, layer, hidden, decode, positions):
     x = layer.post_attention_layernorm(hidden)
     out = layer.mlp(x.reshape(-1, x.shape[-1]), is_decode=decode).view_as(x)
     return layer.tp_group.all_reduce(out) if layer.world_size > 1 else out
@@ -146,7 +153,27 @@ GLM5 = Family(
     reference=None,  # set per checkpoint by the tests (glm5_reference with its config.json)
 )
 
-FAMILIES = {f.name: f for f in (GLM5,)}
+# ---- Qwen3-MoE: upstream model/qwen3_moe/model_bf16.py @5f54272 (Qwen3MoeDecoderLayer: mlp(h, positions, is_decode, rank))
+
+
+def _qwen3_write(path: Path) -> Path:
+    from vllm_moe_w8 import tiny_models
+
+    f = st.FAMILIES["qwen3_moe"]
+    return tiny_models.write_checkpoint(path, f["arch"], **f["sizes"])
+
+
+QWEN3 = Family(
+    name="qwen3_moe", arch="Qwen3MoeForCausalLM", factory=("vllm_neuron.model.qwen3_moe", "Qwen3MoeForCausalLM"),
+    write=_qwen3_write, neuron_config={}, relax=lambda ckpt, world, how="bind": None,
+    build=lambda cls, hf, nc: cls.from_configs(hf, nc),
+    moe_layers=lambda model: list(model.model.layers),
+    moe_half=lambda model, layer, h, decode, positions: layer.mlp(h, positions=positions, is_decode=decode, rank=None),
+    bank=lambda layer: layer.mlp.experts, reference=None, config=plain_hf_config,
+    sequence_parallel_prefill=True, ep_layouts=(False, True),
+)
+
+FAMILIES = {f.name: f for f in (GLM5, QWEN3)}
 
 
 def neuron_config(family: Family, additional: dict | None = None):

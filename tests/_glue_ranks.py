@@ -80,8 +80,8 @@ class MoeHalves(torch.nn.Module):
         self.family, self.model = family, model
         self.layers = family.moe_layers(model)
 
-    def forward(self, h, decode: bool):
-        return torch.stack([self.family.moe_half(self.model, layer, h, decode) for layer in self.layers])
+    def forward(self, h, decode: bool, positions):
+        return torch.stack([self.family.moe_half(self.model, layer, h, decode, positions) for layer in self.layers])
 
 
 def _install_glue(job: Job, hf, holder: list):
@@ -93,20 +93,23 @@ def _install_glue(job: Job, hf, holder: list):
     registration.install(TestPlatform)
 
 
+_SEEN_THREADS: set = set()
+
+
 def _thread_recorder():
-    """Names of the threads ``SafetensorsCheckpoint._get_slice`` runs on (instrumentation: calls through)."""
+    """Names of the threads ``SafetensorsCheckpoint._get_slice`` runs on (instrumentation: calls through; neuron-w8's
+    own wrapper, when it installs one, wraps this one)."""
     from vllm_neuron.utils.checkpoints import SafetensorsCheckpoint
 
-    seen: set = set()
     original = SafetensorsCheckpoint.__dict__["_get_slice"]
-    if getattr(original, "_records_threads", None) is None:
+    if not getattr(original, "_records_threads", False):
         def _get_slice(self, key):
-            SafetensorsCheckpoint._get_slice._records_threads.add(threading.current_thread().name)
+            _SEEN_THREADS.add(threading.current_thread().name)
             return original(self, key)
 
-        _get_slice._records_threads = seen
+        _get_slice._records_threads = True
         SafetensorsCheckpoint._get_slice = _get_slice
-    return SafetensorsCheckpoint._get_slice._records_threads
+    return _SEEN_THREADS
 
 
 def rank_body(job: Job, rank: int) -> dict:
@@ -115,7 +118,7 @@ def rank_body(job: Job, rank: int) -> dict:
     ckpt = Path(job.ckpt)
     family.relax(ckpt, job.world, job.relax)
     holder: list = []
-    hf = fams.hf_config(ckpt)
+    hf = family.config(ckpt)
     if job.glue:
         _install_glue(job, hf, holder)
     factory = getattr(__import__(family.factory[0], fromlist=[family.factory[1]]), family.factory[1])
@@ -145,8 +148,10 @@ def rank_body(job: Job, rank: int) -> dict:
         res = {}
         for name, tokens, decode, seed in job.cases:
             x = hidden(tokens, seed + seed_offset, size).to(device)
+            if family.sequence_parallel_prefill and not decode:
+                x = x.chunk(job.world)[rank]  # the rank's sequence-parallel share; the block all-gathers
             with torch.no_grad():
-                res[name] = fn(x, decode)
+                res[name] = fn(x, decode, torch.arange(tokens, device=device))
         return res
 
     if job.compile:
@@ -168,6 +173,15 @@ def rank_body(job: Job, rank: int) -> dict:
 # ---- stand-in: ranks as threads ------------------------------------------------------------------------------
 
 
+def parallel_config(job: Job):
+    """vLLM's config as vllm-neuron's models read it while they are built (``get_current_vllm_config()``:
+    ``parallel_config.enable_expert_parallel`` / ``data_parallel_size``, ``cache_config``)."""
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+
+    return set_current_vllm_config(VllmConfig(parallel_config=ParallelConfig(
+        tensor_parallel_size=job.world, enable_expert_parallel=job.ep)))
+
+
 def run_standin(job: Job) -> list[dict]:
     """The ranks of ``job`` as threads over the stand-in (the caller has put it on sys.path)."""
     state = st.make_groups(job.world, job.ep)
@@ -176,7 +190,8 @@ def run_standin(job: Job) -> list[dict]:
         state(rank)
         return rank_body(job, rank)
 
-    return st.run_ranks(job.world, one)
+    with parallel_config(job):  # vLLM's config is process-wide: set once for all rank threads
+        return st.run_ranks(job.world, one)
 
 
 # ---- real tree: ranks as processes ---------------------------------------------------------------------------
@@ -228,7 +243,8 @@ def real_rank_main(workdir: Path, rank: int, port: int) -> None:
 
         ps.initialize_neuron_parallel_state(ep_degree=job.world if job.ep else 1, tp_global_ranks=list(range(job.world)),
                                             local_rank=rank)
-        res = rank_body(job, rank)
+        with parallel_config(job):
+            res = rank_body(job, rank)
     except BaseException:  # noqa: BLE001 - reported to the test
         res = {"error": traceback.format_exc()}
     torch.save(res, workdir / f"rank{rank}.pt")

@@ -41,6 +41,8 @@ def glue_fixture(monkeypatch, install: bool = True):
     put_standin_on_path()
     from vllm_moe_w8.neuron_glue import registration
 
+    from vllm.config import VllmConfig, set_current_vllm_config
+
     holder: dict = {}
     monkeypatch.setattr(registration, "current_vllm_config", lambda: holder["config"])
     if install:
@@ -48,7 +50,10 @@ def glue_fixture(monkeypatch, install: bool = True):
 
         registration.install(NeuronPlatform)
     try:
-        yield holder
+        # vLLM's config as the models read it while built (upstream Qwen3MoeExperts: enable_expert_parallel);
+        # make_groups sets its parallel sizes; process-wide, so shared by the rank threads
+        with set_current_vllm_config(VllmConfig()):
+            yield holder
     finally:
         drop_standin()
 
@@ -136,8 +141,14 @@ _barriers: list = []
 
 def make_groups(world: int, ep: bool):
     """Per-rank state for a world of ``world`` ranks: TP over all of them, or EP = world with TP 1 inside."""
+    from vllm.config import get_current_vllm_config_or_none
+
     from vllm_neuron.parallel import neuron_parallel_state as ps
 
+    current = get_current_vllm_config_or_none()
+    if current is not None:  # what vllm-neuron's models read from vLLM's config
+        current.parallel_config.tensor_parallel_size = world
+        current.parallel_config.enable_expert_parallel = ep
     tp = ps.ThreadGroup(world)
     _barriers.append(tp.barrier)
 

@@ -94,7 +94,16 @@ def reference(family: str, ckpt: Path):
     if family == "glm_moe_dsa":
         layers = [i for i in range(config["num_hidden_layers"]) if i >= config["first_k_dense_replace"]]
         return tensors, layers, lambda layer, h: fams.glm5_reference(tensors, layer, h, config)
+    if family in st.FAMILIES:  # the Qwen families (_neuron_standin's float64 references)
+        return tensors, list(range(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])), \
+            lambda layer, h: st.reference_layer(family, tensors, layer, h)
     raise NotImplementedError(family)
+
+
+def layouts():
+    """(family, world, ep) for every adopted family: TP/EP 1, and 2 with each of the family's layouts."""
+    return [pytest.param(f, w, ep, id=f"{f}-{'ep' if ep else 'tp'}{w}")
+            for f, fam in fams.FAMILIES.items() for w in (1, 2) for ep in fam.ep_layouts if w > 1 or not ep]
 
 
 def stored_values(kw: dict, plan: dict):
@@ -120,15 +129,30 @@ def stored_values(kw: dict, plan: dict):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("family", ["glm_moe_dsa"])
-def test_build_threaded_load_float64_and_fullgraph(run, checkpoints, family, world):
+def prefix(family: str) -> str:
+    return st.FAMILIES[family]["prefix"] if family in st.FAMILIES else "model.layers"
+
+
+def inexact_in_slice(got: torch.Tensor, tensors: dict, name: str, proj: str, plan: dict) -> int:
+    """``inexact_values`` (EXACT_BOUND) on this rank's TP slice: rows of gate/up, columns of down."""
+    i_r = plan["intermediate_size"] // plan["tp_degree"]
+    lo = plan["tp_rank"] * i_r
+    cut = (slice(lo, lo + i_r), slice(None)) if proj != "down_proj" else (slice(None), slice(lo, lo + i_r))
+    sliced = {name: tensors[name][cut].contiguous(), name + "_scale_inv": None}
+    scale = tensors[name + "_scale_inv"]
+    sliced[name + "_scale_inv"] = scale[lo // 128:(lo + i_r) // 128] if proj != "down_proj" else scale[:, lo // 128:(lo + i_r) // 128]
+    return inexact_values(got, sliced, name)
+
+
+@pytest.mark.parametrize("family, world, ep", layouts())
+def test_build_threaded_load_float64_and_fullgraph(run, checkpoints, family, world, ep):
     """Every rank: the bank is neuron-w8's, the load ran on the loader's worker threads, each stored expert is the
     checkpoint's value within EXACT_BOUND, one graph per shape with one kernel launch per MoE layer, no recompile
     for a second routing, and both routings' MoE halves within REL_TOL of the float64 reference."""
     ckpt = checkpoints(family)
     tensors, layers, want = reference(family, ckpt)
-    results = run(gr.Job(family, world, False, str(ckpt), cases=CASES, compile=True, second_seed=SECOND))
+    sp = fams.FAMILIES[family].sequence_parallel_prefill
+    results = run(gr.Job(family, world, ep, str(ckpt), cases=CASES, compile=True, second_seed=SECOND))
     assert len(results) == world
     for res in results:
         rank = res["rank"]
@@ -138,13 +162,16 @@ def test_build_threaded_load_float64_and_fullgraph(run, checkpoints, family, wor
         assert all(k == ["moe_w8_blocks_pow2"] * len(layers) for k in res["kernels"]), res["kernels"]
         for kw, plan, layer in zip(res["kernel_weights"], res["plans"], layers):
             for (g, proj), got in stored_values(kw, plan).items():
-                assert inexact_values(got, tensors, f"model.layers.{layer}.mlp.experts.{g}.{proj}.weight") == 0, (rank, g, proj)
+                name = f"{prefix(family)}.{layer}.mlp.experts.{g}.{proj}.weight"
+                assert inexact_in_slice(got, tensors, name, proj, plan) == 0, (rank, g, proj)
         for key, offset in (("outputs", 0), ("outputs_second", SECOND)):
-            for name, tokens, _, seed in CASES:
+            for name, tokens, decode, seed in CASES:
                 for i, layer in enumerate(layers):
                     got = res[key][name][i]
                     assert got.dtype == torch.bfloat16
-                    err = st.rel_err(got, want(layer, gr.hidden(tokens, seed + offset, got.shape[-1])))
+                    ref = want(layer, gr.hidden(tokens, seed + offset, got.shape[-1]))
+                    ref = ref.chunk(world)[rank] if sp and not decode else ref  # the rank's sequence-parallel share
+                    err = st.rel_err(got, ref)
                     assert err <= REL_TOL, f"rank {rank} {key} {name} layer {layer}: {err:.2e}"
 
 

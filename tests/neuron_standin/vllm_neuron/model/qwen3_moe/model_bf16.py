@@ -31,10 +31,12 @@ class Qwen3MoeRMSNorm(nn.Module):
 class Qwen3MoeExperts(nn.Module):
     def __init__(self, config):
         super().__init__()
-        st = ps.state()
+        from vllm.config import get_current_vllm_config
+
         self.tp_group = ps.get_tp_group()
         self.rank = self.tp_group.rank_in_group
-        self.ep_enabled = st["ep_enabled"]
+        # as upstream: expert parallelism is vLLM's flag, read from the config being built (raises when none is set)
+        self.ep_enabled = get_current_vllm_config().parallel_config.enable_expert_parallel
         self.dp_size = 1
         self.mlp_dp_size = 1
         self.cross_dp_ep = False

@@ -1,0 +1,1 @@
+"""STUB package marker (real-tree mode): vllm_neuron/compile."""
