@@ -173,7 +173,32 @@ QWEN3 = Family(
     sequence_parallel_prefill=True, ep_layouts=(False, True),
 )
 
-FAMILIES = {f.name: f for f in (GLM5, QWEN3)}
+# ---- Qwen3.5-MoE: fork whn09/vllm-neuron model/qwen3_5 (model.py @3de9ea3 Qwen3_5DecoderLayer.forward: the MoE block
+# takes the un-normalised residual and the layer's post_attention_layernorm; prefill input is the SP share)
+
+
+def _qwen35_write(path: Path) -> Path:
+    from vllm_moe_w8 import tiny_models
+
+    f = st.FAMILIES["qwen3_5_moe"]
+    # two layers: a DeltaNet one and a full-attention one, so both mixers' real loaders fill their parameters
+    return tiny_models.write_checkpoint(path, f["arch"], **dict(f["sizes"], num_hidden_layers=2))
+
+
+QWEN35 = Family(
+    name="qwen3_5_moe", arch="Qwen3_5MoeForConditionalGeneration",
+    factory=("vllm_neuron.model.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
+    write=_qwen35_write, neuron_config={}, relax=lambda ckpt, world, how="bind": None,
+    build=lambda cls, hf, nc: cls.from_configs(hf, nc, None),  # no VisionNeuronConfig: the text-only decoder
+    moe_layers=lambda model: list(model.language_model.layers),
+    moe_half=lambda model, layer, h, decode, positions: layer.mlp(h, is_prefill=not decode,
+                                                                  norm=layer.post_attention_layernorm,
+                                                                  positions=positions, rank=None),
+    bank=lambda layer: layer.mlp, reference=None,
+    sequence_parallel_prefill=True, ep_layouts=(False, True),
+)
+
+FAMILIES = {f.name: f for f in (GLM5, QWEN3, QWEN35)}
 
 
 def neuron_config(family: Family, additional: dict | None = None):

@@ -127,9 +127,11 @@ def rank_body(job: Job, rank: int) -> dict:
     threads.clear()
     with torch.device("meta"):
         model = family.build(factory, hf, nc)
-    out: dict = {"rank": rank, "bank_classes": [type(family.bank(layer)).__name__ for layer in family.moe_layers(model)]}
-    if job.lite:
-        model.load_weights_lite(str(ckpt), torch.device("cpu"), None)
+    lite_was_the_forks = hasattr(type(model), "load_weights_lite")
+    out: dict = {"rank": rank, "bank_classes": [(type(b).__qualname__, type(b).__name__) for b in map(family.bank, family.moe_layers(model))]}
+    if job.lite:  # the runner: load_weights_lite when the model has it (neuron-w8 gives it one), then meta
+        if hasattr(model, "load_weights_lite"):
+            model.load_weights_lite(str(ckpt), torch.device("cpu"), None)
         model = model.to("meta")
     else:
         model.load_weights(str(ckpt), torch.device("cpu"), None)
@@ -137,6 +139,10 @@ def rank_body(job: Job, rank: int) -> dict:
     out["threads"] = sorted(threads)
     out["caller"] = threading.current_thread().name
     banks = [family.bank(layer) for layer in family.moe_layers(model)]
+    if job.glue and job.lite:
+        out["lite_buffers"] = [{n: (str(getattr(b, n).device), getattr(b, n).dtype) for n in ("w8_w13", "w8_w2")}
+                               for b in banks]
+        out["has_own_lite"] = lite_was_the_forks
     if job.glue and not job.lite:
         out["kernel_weights"] = [{n: getattr(b, n) for n in ("w8_w13", "w8_w13_scales", "w8_w2", "w8_w2_scales")} for b in banks]
         out["plans"] = [asdict(b.w8_plan) for b in banks]

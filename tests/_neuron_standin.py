@@ -97,9 +97,18 @@ def as_namespace(d):
     return d
 
 
+PRETRAINED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # configs whose vllm-neuron reader needs what transformers makes of them
+
+
 def hf_config(path: Path):
-    """config.json as attributes (quantization_config stays a dict, as transformers keeps it)."""
+    """config.json as attributes (quantization_config stays a dict, as transformers keeps it). Qwen3.5-MoE's is
+    transformers' own ``PretrainedConfig`` (AutoConfig), as vLLM hands it: the fork's ``Qwen3_5TextConfig.from_hf``
+    reads ``rope_parameters`` as a dict (whn09 qwen3_5/config.py @3de9ea3)."""
     raw = json.loads((path / "config.json").read_text())
+    if raw.get("model_type") in PRETRAINED_MODEL_TYPES:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(path))
     cfg = as_namespace(raw)
     cfg.quantization_config = raw.get("quantization_config")
     return cfg

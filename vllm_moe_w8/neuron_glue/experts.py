@@ -151,9 +151,12 @@ _classes: dict[tuple[type, type], type] = {}
 
 
 def _w8_class(cls: type, mixin: type) -> type:
+    """``mixin`` in front of vllm-neuron's ``cls``. The class keeps ``cls``'s ``__name__``: fork code looks modules
+    up by class name (jinhuang12 ``glm5_next`` ``_SHARD_GEOMETRY.get(type(module).__name__)``), which must still find
+    the adopted module; ``__qualname__`` (``W8<name>``) and ``isinstance(m, _W8Routed)`` say it is ours."""
     key = (cls, mixin)
     if key not in _classes:
-        _classes[key] = type(f"W8{cls.__name__}", (mixin, cls), {"__module__": __name__})
+        _classes[key] = type(cls.__name__, (mixin, cls), {"__module__": __name__, "__qualname__": f"W8{cls.__name__}"})
     return _classes[key]
 
 

@@ -11,7 +11,12 @@ download_dir)`` and moves the model to meta (the graph is compiled without weigh
   dequantised, scales from the checkpoint's own index); then each adopted block's experts are read, repacked
   and laid out (:mod:`loaders`) and stored on ``device``.
 * ``load_weights_lite``: every adopted block gets meta buffers of the kernel layout's shapes and dtypes
-  (:func:`meta_weights`), so the compiled graph sees the experts it will run with; then vllm-neuron's own.
+  (:func:`meta_weights`), so the compiled graph sees the experts it will run with; then vllm-neuron's own. A model
+  without one (whn09 ``qwen3_5/model.py`` @3de9ea3: the runner then only moves it to meta) gets one that does the
+  first part only.
+* A weights-free ``load_weights`` call (the later fork's GLM-5.3 ``load_weights_lite`` is
+  ``self.load_weights(path, meta, cache_dir, reader=_MetaShapeCheckpoint(...))``): any keyword is passed on to
+  vllm-neuron's own, and with a ``reader`` or a meta ``device`` no expert is read: the blocks get the meta buffers.
 """
 
 from __future__ import annotations
@@ -89,14 +94,23 @@ def wrap(model, arch: str, cfg, dtype, dequantise_non_experts: bool = True) -> N
     checkpoint_cls = checkpoint_class() if dequantise_non_experts else None
     prefix = SUPPORTED_ARCHITECTURES[arch][0]
 
-    def load_weights(checkpoint_path, device, cache_dir=None):
+    def set_meta_weights():
+        for _, block in experts.adopted_blocks(model):
+            block.w8_set_weights(meta_weights(block.w8_plan, cfg.mode))
+
+    def load_weights(checkpoint_path, device, cache_dir=None, **kwargs):
+        if kwargs.get("reader") is not None or torch.device(device).type == "meta":
+            set_meta_weights()  # a weights-free load (shapes only): read no expert
+            logger.info("neuron-w8 on Neuron: a weights-free load_weights (reader=%s, device %s): the experts get meta "
+                        "buffers of the kernel layout (no weights read)", type(kwargs.get("reader")).__name__, device)
+            return original(checkpoint_path, device, cache_dir, **kwargs)
         source = loaders.ExpertSource(loaders.resolve_checkpoint_dir(checkpoint_path, cache_dir), prefix)
         blocks = experts.adopted_blocks(model)
         check_sizes(checkpoint_path, source.ckpt.config, [(n, b.w8_plan) for n, b in blocks],
                     interfaces.vllm_neuron_version())
         hook = slice_hook.active(checkpoint_cls, source.ckpt, cfg.fmt, dtype) if dequantise_non_experts else contextlib.nullcontext()
         with hook:
-            original(checkpoint_path, device, cache_dir)
+            original(checkpoint_path, device, cache_dir, **kwargs)
         loads, plan = [], None
         for _, block in blocks:
             ld = loaders.load_layer_experts(source, block.w8_layer, block.w8_plan, cfg)
@@ -107,12 +121,11 @@ def wrap(model, arch: str, cfg, dtype, dequantise_non_experts: bool = True) -> N
 
     model.load_weights = load_weights
     lite = getattr(model, "load_weights_lite", None)
-    if lite is not None:
-        def load_weights_lite(checkpoint_path, device, cache_dir=None):
-            for _, block in experts.adopted_blocks(model):
-                block.w8_set_weights(meta_weights(block.w8_plan, cfg.mode))
-            logger.info("neuron-w8 on Neuron: VLLM_NEURON_CPU_COMPILE: the experts get meta buffers of the kernel "
-                        "layout (no weights read); the graph is compiled for them")
-            return lite(checkpoint_path, device, cache_dir)
 
-        model.load_weights_lite = load_weights_lite
+    def load_weights_lite(checkpoint_path, device, cache_dir=None, **kwargs):
+        set_meta_weights()
+        logger.info("neuron-w8 on Neuron: VLLM_NEURON_CPU_COMPILE: the experts get meta buffers of the kernel "
+                    "layout (no weights read); the graph is compiled for them")
+        return lite(checkpoint_path, device, cache_dir, **kwargs) if lite is not None else None
+
+    model.load_weights_lite = load_weights_lite
