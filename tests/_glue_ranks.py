@@ -46,6 +46,8 @@ class Job:
     additional_config: dict = field(default_factory=dict)
     glue: bool = True
     relax: str = "bind"  # how the size pins are relaxed (_glue_families: "bind", "assign", "keep-key-count")
+    precheck: bool = False  # run the platform's start-up check (registration._precheck_config) first, as vLLM does
+    layout: str = ""  # "" the family's checkpoint; else the caller wrote ckpt in this tiny_models layout
 
 
 class TestPlatform:
@@ -63,9 +65,15 @@ class TestPlatform:
 
 
 def vllm_config(job: Job, hf):
+    """What the glue reads of vLLM's config; ``additional_config["neuron_config"]`` is the family's default (the
+    launch its serve line makes) updated with the job's."""
+    family = fams.FAMILIES[job.family]
+    neuron = dict(family.neuron_config, **(job.additional_config.get("neuron_config") or {}))
     return SimpleNamespace(model_config=SimpleNamespace(quantization="neuron-w8" if job.glue else None, hf_config=hf,
                                                         dtype=torch.bfloat16, model=job.ckpt),
-                           additional_config=job.additional_config)
+                           parallel_config=SimpleNamespace(tensor_parallel_size=job.world,
+                                                           enable_expert_parallel=job.ep),
+                           additional_config=dict(job.additional_config, neuron_config=neuron))
 
 
 def hidden(tokens: int, seed: int, h: int) -> torch.Tensor:
@@ -91,6 +99,8 @@ def _install_glue(job: Job, hf, holder: list):
     holder.append(config)
     registration.current_vllm_config = lambda: config
     registration.install(TestPlatform)
+    if job.precheck:
+        TestPlatform.check_and_update_config(config)  # neuron-w8's start-up check runs first, as under vLLM
 
 
 _SEEN_THREADS: set = set()

@@ -177,11 +177,42 @@ def test_start_up_accepts_glm5_and_the_fork_registry_lists_it(glue, ckpt):
 
     from vllm_moe_w8.neuron_glue import interfaces, registration
 
+    fams.GLM5.relax(ckpt, 1)  # the tiny model: size pins relaxed as the fork binds them (the layout ones stay)
     config = vllm_config(ckpt)
     NeuronPlatform.check_and_update_config(config)
     assert config in NeuronPlatform.checked_configs
     assert ARCH not in interfaces.NOT_REPLACED
     assert getattr(GlmMoeDsaForCausalLM.from_configs, registration.WRAPPED, False)
+
+
+def test_start_up_names_every_launch_requirement_of_the_fork(glue, ckpt):
+    """A launch the fork would refuse while building GLM-5 is refused at start-up with every reason and its remedy:
+    sampling not greedy (the runner's default), TP other than the factory's SUPPORTED_TENSOR_PARALLEL_SIZE, a config
+    off the fork's architecture pins; then the launch line that starts. Each pin is read from the installed fork
+    (relaxing the stand-in's pins relaxes the check)."""
+    from types import SimpleNamespace
+
+    from vllm_neuron.vllm.platform import NeuronPlatform
+
+    from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
+
+    config = vllm_config(ckpt, {"neuron_config": {"on_device_sampling_config": {}}})
+    config.parallel_config = SimpleNamespace(tensor_parallel_size=2)
+    with pytest.raises(NeuronGlueError) as info:
+        NeuronPlatform.check_and_update_config(config)
+    text = str(info.value)
+    for needed in ("on-device sampling must be greedy", '"all_greedy": true', "--tensor-parallel-size is 2",
+                   "SUPPORTED_TENSOR_PARALLEL_SIZE = 64", "hidden_size = 256 (the fork pins 6144)",
+                   "n_routed_experts = 16 (the fork pins 256)", "vllm serve zai-org/GLM-5-FP8 --quantization neuron-w8 "
+                   "--tensor-parallel-size 64 --additional-config '{\"neuron_config\": {\"on_device_sampling_config\": "
+                   "{\"all_greedy\": true}}}'"):
+        assert needed in text, (needed, text)
+    config.additional_config["neuron_config"] = {"on_device_sampling_config": None}  # host sampling: accepted
+    with pytest.raises(NeuronGlueError) as info:
+        NeuronPlatform.check_and_update_config(config)
+    assert "on-device sampling" not in str(info.value) and "--tensor-parallel-size is 2" in str(info.value)
+    fams.GLM5.relax(ckpt, 2)  # the size pins relaxed to this tiny model at TP 2: nothing left to refuse
+    NeuronPlatform.check_and_update_config(config)
 
 
 def test_output_block_mode(glue, ckpt, tensors, config):

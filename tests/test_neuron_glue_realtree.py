@@ -193,3 +193,52 @@ def test_cpu_compile_weights_free_build_traces_on_meta(run, checkpoints, family)
         assert all(o.device.type == "meta" for o in res["outputs"].values())
     if family == "qwen3_5_moe":
         assert not results[0]["has_own_lite"], "the fork's Qwen3.5 model has no load_weights_lite of its own"
+
+
+# ---- GLM-5: what the fork binds, checks and requires, the same in both trees ------------------------------------
+
+
+def failure(run, job: gr.Job) -> str:
+    """The error text of a job that must fail (a rank's traceback in the real tree, the exception in the stand-in)."""
+    try:
+        run(job)
+    except Exception as e:  # noqa: BLE001 - the text is what is judged
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError(f"{job.family} {job.relax} {job.additional_config}: expected a failure, the job ran")
+
+
+def test_glm5_pins_are_bound_at_import(run, checkpoints):
+    """The fork binds its size pins as default arguments when weight_loaders is imported
+    (``load_checkpoint_manifest(expected_key_count=...)``, ``local_load_plan(ep=PINNED_EP)``): assigning the module
+    constants afterwards changes nothing, and keeping the index key count pinned refuses the tiny index, naming it."""
+    ckpt = checkpoints("glm_moe_dsa")
+    keys = fams.index_key_count(ckpt)
+    for how in ("assign", "keep-key-count"):
+        text = failure(run, gr.Job("glm_moe_dsa", 1, False, str(ckpt), relax=how))
+        assert f"Checkpoint index has {keys} keys; expected 118629" in text, (how, text[-3000:])
+
+
+def test_glm5_official_tiny_layout_is_refused_by_the_forks_contract(run, tmp_path):
+    """The official tiny layout (one dense layer) is one the fork's pinned contract refuses (first_k_dense_replace 3,
+    a layout pin the tests do not relax); the vllm-neuron layout (tiny_models layout="vllm-neuron") is accepted."""
+    from vllm_moe_w8 import tiny_models
+
+    ckpt = tiny_models.write_checkpoint(tmp_path / "official", "GlmMoeDsaForCausalLM", num_experts=16,
+                                        num_experts_per_tok=8)
+    text = failure(run, gr.Job("glm_moe_dsa", 1, False, str(ckpt)))
+    assert "first_k_dense_replace=1 (expected 3)" in text, text[-3000:]
+
+
+def test_glm5_default_sampling_is_named_at_start_up_not_deep_in_the_fork(run, checkpoints):
+    """A launch without greedy on-device sampling: neuron-w8's start-up check refuses it naming the remedy; without
+    that check the fork itself refuses while building the model."""
+    ckpt = checkpoints("glm_moe_dsa")
+    sampling = {"neuron_config": {"on_device_sampling_config": {}}}  # what NeuronConfig.from_dict({}) makes
+    text = failure(run, gr.Job("glm_moe_dsa", 1, False, str(ckpt), additional_config=sampling, precheck=True))
+    assert "on-device sampling must be greedy" in text and '"all_greedy": true' in text, text[-3000:]
+    # the launch line that starts, with the TP the fork's factory supports (relaxed to this tiny world: 1)
+    assert "vllm serve zai-org/GLM-5-FP8 --quantization neuron-w8 --tensor-parallel-size 1 --additional-config" in text
+    text = failure(run, gr.Job("glm_moe_dsa", 1, False, str(ckpt), additional_config=sampling, glue=False))
+    assert "GLM-5.2 on-device sampling supports greedy only" in text, text[-3000:]
+    greedy = gr.Job("glm_moe_dsa", 1, False, str(ckpt), cases=CASES[:1], precheck=True)
+    assert run(greedy)[0]["bank_classes"], "the family's launch (greedy) passes the start-up check and builds"

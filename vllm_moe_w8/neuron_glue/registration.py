@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from vllm_moe_w8.about import QUANTIZATION_NAME
-from vllm_moe_w8.neuron_glue import experts, glm_experts, interfaces, loaders, model_load, settings
+from vllm_moe_w8.neuron_glue import experts, glm_experts, interfaces, launch_checks, loaders, model_load, settings
 from vllm_moe_w8.neuron_glue import glm_moe_dsa  # noqa: F401  (adds GLM-5's bank to glm_experts.BANKS)
 from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
 
@@ -69,7 +69,8 @@ def _precheck_name(quant) -> None:
 
 
 def _precheck_config(vllm_config) -> None:
-    """When neuron-w8 is requested: the installed vllm-neuron serves this architecture and the settings are valid."""
+    """When neuron-w8 is requested: the installed vllm-neuron serves this architecture, the launch gives its model what
+    it requires (:mod:`launch_checks`) and the settings are valid."""
     if not settings.requested(vllm_config):
         return
     err = interfaces.generation_error()
@@ -79,6 +80,7 @@ def _precheck_config(vllm_config) -> None:
     arch = architecture_of(model_config.hf_config)
     target, factory, _ = interfaces.resolve_target(arch)
     check_registered(arch, factory)
+    launch_checks.check(arch, vllm_config)  # what the installed fork requires of this launch (ODS, TP, pins)
     settings.resolve(quant_config_of(model_config.hf_config), getattr(vllm_config, "additional_config", None))
 
 
