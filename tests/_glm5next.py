@@ -1,8 +1,9 @@
 """Test helpers for GLM-5.3-Flash under the vllm-neuron stand-in: a tiny checkpoint in the real layout and the float64
 reference of its MoE layers (the fork's GLM MoE: noaux_tc routing, clamped SwiGLU experts, shared expert).
 
-The checkpoint: ``config.json`` with ``architectures ["Glm5NextForConditionalGeneration"]``, a nested ``text_config``
-and a top-level block-FP8 ``quantization_config``; text tensors under ``model.language_model.layers.{i}.``: the
+The checkpoint: ``config.json`` in the layout the fork's config reader and router accept
+(``vllm_moe_w8.tiny_models.neuron_layouts.glm5_next_config``: a ``text_config`` and a ``vision_config``, top-8 over
+16 experts, the fork's layer schedule, a top-level block-FP8 ``quantization_config``); text tensors under ``model.language_model.layers.{i}.``: the
 post-attention norm, the router (``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``), per-expert
 ``mlp.experts.{e}.{gate,up,down}_proj.weight`` E4M3FN with fp32 128x128 ``weight_scale_inv`` (amax/448, as real
 checkpoints, so every block uses the E4M3FN-only codes), and the shared expert in the same FP8 format.
@@ -18,13 +19,14 @@ import torch.nn.functional as F
 
 import _neuron_standin as st
 from vllm_moe_w8 import tiny_models
+from vllm_moe_w8.tiny_models.neuron_layouts import glm5_next_config
 from vllm_moe_w8.tiny_models.shards import write_shards
 
 ARCH = "Glm5NextForConditionalGeneration"
 FACTORY = ("vllm_neuron.model.glm5_next", ARCH)
 PREFIX = "model.language_model.layers"
-SIZES = dict(hidden_size=256, moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-             num_hidden_layers=2)
+SIZES = dict(hidden_size=256, moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=8, n_shared_experts=1,
+             num_hidden_layers=2)  # top-8 (the fork's router); 16 experts: 8 per EP rank at EP 2
 # The clamp must bite for the swiglu fault twin to mean anything: with these weights the gate/up projections have a
 # standard deviation of ~1.5, so a bound of 1.0 clamps a large share of them (asserted in the test).
 SWIGLU_LIMIT = 1.0
@@ -60,11 +62,7 @@ def write_checkpoint(path: Path, seed: int = 0, swiglu_limit=SWIGLU_LIMIT) -> Pa
             fp8(f"{p}.mlp.shared_experts.{proj}", shape)
     path.mkdir(parents=True, exist_ok=True)
     write_shards(path, tensors, 2)
-    config = {"architectures": [ARCH], "model_type": "glm5_next", "text_config": text_config(swiglu_limit),
-              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                      "weight_block_size": [128, 128],
-                                      "modules_to_not_convert": ["lm_head", "mlp.gate"]}}
-    (path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(glm5_next_config(text_config(swiglu_limit))))
     return path
 
 
@@ -77,14 +75,16 @@ def normed(t: dict, layer: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def route(t: dict, layer: int, x: torch.Tensor) -> torch.Tensor:
-    """Scattered affinities [T, E] fp32: sigmoid scores, top-k of scores + bias, renormalised, x 2.5."""
+    """Scattered affinities [T, E] fp32, as the fork's router makes them (functional/moe/router.py): RMSNorm in fp32
+    x gamma, the logits from bf16 operands accumulated in fp32 (the selection is discrete: it must be the fork's),
+    sigmoid scores, top-8 of scores + bias, the selected scores / (their sum + 1e-20) x 2.5."""
     p = f"{PREFIX}.{layer}"
     xf = x.float()
     xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * t[f"{p}.post_attention_layernorm.weight"].float()
-    scores = torch.sigmoid(xn @ t[f"{p}.mlp.gate.weight"].float().T)
+    scores = torch.sigmoid(xn.to(torch.bfloat16).float() @ t[f"{p}.mlp.gate.weight"].to(torch.bfloat16).float().T)
     index = torch.topk(scores + t[f"{p}.mlp.gate.e_score_correction_bias"].float(), SIZES["num_experts_per_tok"], -1).indices
     w = scores.gather(1, index)
-    w = w / w.sum(-1, keepdim=True) * 2.5
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * 2.5
     return torch.zeros_like(scores).scatter(1, index, w)
 
 

@@ -97,13 +97,14 @@ def as_namespace(d):
     return d
 
 
-PRETRAINED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")  # configs whose vllm-neuron reader needs what transformers makes of them
+PRETRAINED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "glm5_next")  # configs whose vllm-neuron reader needs what transformers makes of them
 
 
 def hf_config(path: Path):
     """config.json as attributes (quantization_config stays a dict, as transformers keeps it). Qwen3.5-MoE's is
     transformers' own ``PretrainedConfig`` (AutoConfig), as vLLM hands it: the fork's ``Qwen3_5TextConfig.from_hf``
-    reads ``rope_parameters`` as a dict (whn09 qwen3_5/config.py @3de9ea3)."""
+    reads ``rope_parameters`` as a dict (whn09 qwen3_5/config.py @3de9ea3), and GLM-5.3-Flash's
+    ``Glm5NextConfig.from_configs`` takes a PretrainedConfig, a dict or a path, nothing else (glm5_next/config.py)."""
     raw = json.loads((path / "config.json").read_text())
     if raw.get("model_type") in PRETRAINED_MODEL_TYPES:
         from transformers import AutoConfig
@@ -164,7 +165,7 @@ def make_groups(world: int, ep: bool):
     def state(rank):
         tp_group = ps.GroupCoordinator(tp, rank)
         if ep:
-            ps.set_rank_state(tp_group, ep_degree=world, ep_rank=rank, ep_tp_group=ps.single(), ep_enabled=True)
+            ps.set_rank_state(tp_group, ep_degree=world, ep_rank=rank, ep_tp_group=ps.single())
         else:
             ps.set_rank_state(tp_group)
 

@@ -105,7 +105,8 @@ def test_rank_loop_matches_reference(glue, ckpt, tensors, ep):
     assert st.rel_err(sum(parts), want) <= REL_TOL
     if ep:  # each EP rank alone holds its own experts' share
         for rank, part in enumerate(parts):
-            mine = range(rank * 4, rank * 4 + 4)
+            n = g.SIZES["n_routed_experts"] // WORLD
+            mine = range(rank * n, rank * n + n)
             assert st.rel_err(part, g.reference_layer(tensors, 0, x, shared=False, experts=mine)) <= REL_TOL
 
 
@@ -338,3 +339,134 @@ def test_registration_resolves_glm5next_and_refuses_an_unlisting_registry(glue, 
     monkeypatch.setattr(registry, "get_models", lambda: [(a, c) for a, c in real() if a != g.ARCH])
     with pytest.raises(NeuronGlueError, match=r"Glm5NextForConditionalGeneration: .*does not list it.*@83b3499 and @3a1e231"):
         registration._precheck_config(config)
+
+
+# ---- the fork's contracts the stand-in reproduces, and the glue's answers to them --------------------------------
+
+
+def test_the_forks_config_reader_and_router_refuse_what_a_looser_stand_in_took(glue, ckpt, tmp_path):
+    """As the fork's glm5_next/config.py and functional/moe/router.py: a PretrainedConfig / dict / path only, a
+    vision_config required (a dict or path without one is a KeyError; a PretrainedConfig has transformers' default
+    one); the router takes the expert count off dim 1 of router_weight [H, E] and refuses any top-k but 8. neuron-w8's
+    start-up check names a top-k other than 8 before the fork's build would fail."""
+    from types import SimpleNamespace
+
+    from vllm_neuron.functional.moe.router import NoauxTcRouterError, noaux_tc_rmsnorm_router_topk
+    from vllm_neuron.model.glm5_next.config import Glm5NextConfig
+
+    from vllm_moe_w8.neuron_glue import registration
+    from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
+
+    raw = json.loads((ckpt / "config.json").read_text())
+    assert Glm5NextConfig.from_configs(raw).text_config.num_experts_per_tok == 8
+    with pytest.raises(TypeError, match="Unsupported hf_config type"):
+        Glm5NextConfig.from_configs(st.as_namespace(raw))
+    text_only = {k: v for k, v in raw.items() if k != "vision_config"}
+    with pytest.raises(KeyError, match="vision_config"):
+        Glm5NextConfig.from_configs(text_only)
+    h, e = g.SIZES["hidden_size"], g.SIZES["n_routed_experts"]
+    x, gamma, w, bias = torch.randn(1, 3, h), torch.ones(h), torch.randn(h, e), torch.zeros(e)
+    _, idx, aff, _ = noaux_tc_rmsnorm_router_topk(x, gamma, w, bias, top_k=8)
+    assert aff.shape == (3, e) and idx.shape == (3, 8)
+    with pytest.raises(NoauxTcRouterError, match="top_k must be exactly 8, got 2"):
+        noaux_tc_rmsnorm_router_topk(x, gamma, w, bias, top_k=2)
+    with pytest.raises(NoauxTcRouterError, match=f"correction_bias must be .* with E={h}"):
+        noaux_tc_rmsnorm_router_topk(x, gamma, w.T.contiguous(), bias, top_k=8)  # [E, H]: the expert count read as H
+    (tmp_path / "config.json").write_text(json.dumps(dict(text_only, text_config=dict(raw["text_config"],
+                                                                                      num_experts_per_tok=2))))
+    with pytest.raises(NeuronGlueError) as info:
+        registration._precheck_config(st.vllm_config(tmp_path))
+    assert "selects exactly 8 experts per token" in str(info.value)
+    assert "has no vision_config" not in str(info.value), "vLLM's PretrainedConfig carries transformers' default one"
+    assert st.hf_config(tmp_path).to_dict()["vision_config"] is not None
+    from vllm_moe_w8.neuron_glue import launch_checks
+
+    dict_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=text_only))  # a dict-shaped config: refused
+    with pytest.raises(NeuronGlueError, match="has no vision_config"):
+        launch_checks.check(g.ARCH, dict_config)
+
+
+def test_transformers_renaming_the_dsa_layer_type_is_named_at_start_up(glue, tmp_path):
+    """transformers 5.19 (huggingface/transformers#48974) renames a config's 'deepseek_sparse_attention' layers to
+    'indexed_attention'; the fork's config reader refuses that while building. neuron-w8 names it at start-up."""
+    import transformers
+    from vllm_neuron.model.glm5_next.config import Glm5NextConfig
+
+    from vllm_moe_w8.neuron_glue import registration
+    from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
+    from vllm_moe_w8.tiny_models.neuron_layouts import glm5_next_config
+
+    text = dict(g.text_config(), num_hidden_layers=4)  # the fork's schedule: layer 3 is DSA
+    (tmp_path / "config.json").write_text(json.dumps(glm5_next_config(text)))
+    hf = st.hf_config(tmp_path)
+    if "indexed_attention" not in hf.to_dict()["text_config"]["layer_types"]:
+        pytest.skip(f"transformers {transformers.__version__} keeps 'deepseek_sparse_attention'")
+    with pytest.raises(ValueError, match=r"unrecognised attention families \['indexed_attention'\]"):
+        Glm5NextConfig.from_configs(hf)
+    with pytest.raises(NeuronGlueError, match=r"huggingface/transformers#48974"):
+        registration._precheck_config(st.vllm_config(tmp_path))
+
+
+def test_the_adopted_bank_keeps_the_class_name_the_forks_shard_table_is_keyed_by(glue, ckpt):
+    """The fork looks a module's shard layout up by class name (_SHARD_GEOMETRY.get(type(module).__name__)): the
+    adopted bank is neuron-w8's (its qualname says so) under the fork's name, so the lookup still finds its row.
+    Fault twin: a class renamed W8... falls out of the table."""
+    from vllm_neuron.model.glm5_next import model_fp8
+
+    from vllm_moe_w8.neuron_glue import glm_experts
+
+    _, models = load_ranks(ckpt, glue, ep=False, compile=False)
+    for bank in banks(models):
+        assert isinstance(bank, glm_experts.W8Glm5NextRoutedExperts)
+        assert type(bank).__name__ == "Glm5NextRoutedExperts" and type(bank).__qualname__ == "W8Glm5NextRoutedExperts"
+        assert model_fp8._shard_geometry_for(bank, "gate_proj_weight", WORLD) == (0, WORLD)
+        renamed = type("W8Glm5NextRoutedExperts", (type(bank),), {})
+        bank.__class__ = renamed
+        assert model_fp8._shard_geometry_for(bank, "gate_proj_weight", WORLD) is None
+        bank.__class__ = renamed.__mro__[1]
+
+
+def test_weights_free_load_takes_the_forks_reader_and_reads_no_expert(glue, ckpt, monkeypatch):
+    """VLLM_NEURON_CPU_COMPILE: the fork's load_weights_lite is self.load_weights(path, meta, cache_dir,
+    reader=...); neuron-w8's wrapper takes the keyword, reads no expert (the experts get meta buffers of the kernel
+    layout), the fork's rehearsal runs on meta, and the model traces on meta. Fault twin: a wrapper without the keyword
+    fails there (TypeError)."""
+    from vllm_neuron.utils import checkpoints
+
+    from vllm_moe_w8.neuron_glue import loaders
+
+    calls = []
+    real = loaders.load_layer_experts
+    monkeypatch.setattr(loaders, "load_layer_experts", lambda *a, **k: calls.append(a) or real(*a, **k))
+    checkpoints.worker_threads.clear()
+    rec = st.Recorder()
+    state, models = load_ranks(ckpt, glue, ep=False, cpu_compile=True, backend=rec)
+    assert not calls and not checkpoints.worker_threads, "no expert read, no data load"
+    for m in models:
+        inner = m._orig_mod
+        assert inner.last_load == "rehearsal"
+        for layer in inner.model.layers:
+            assert layer.mlp.experts.w8_w13.device.type == "meta" and layer.mlp.experts.w8_w13.dtype == torch.uint8
+    x = torch.empty(T_DECODE, g.SIZES["hidden_size"], dtype=torch.bfloat16, device="meta")
+    outs = run(models, state, x, False, rank_of=lambda r, _: torch.tensor([0], device="meta"))
+    assert all(o.device.type == "meta" for o in outs) and len(rec.graphs) == WORLD
+    from vllm_neuron.model.glm5_next.factory import Glm5NextForConditionalGeneration
+    from vllm_neuron.model.neuron_config import NeuronConfig
+
+    with torch.device("meta"):
+        model = Glm5NextForConditionalGeneration.from_configs(st.hf_config(ckpt), NeuronConfig.from_dict({}))
+    model.load_weights = lambda checkpoint_path, device, cache_dir=None: None  # FAULT: the old wrapper's signature
+    with pytest.raises(TypeError, match="reader"):
+        model.load_weights_lite(str(ckpt), torch.device("cpu"), None)
+
+
+def test_the_ep_degree_is_the_parallel_states_at_call_time(glue, monkeypatch):
+    """The fork's _resolve_ep_degree(None) asks neuron_parallel_state.get_neuron_ep_degree() through the module, at
+    call time (1 when expert parallelism was never initialised); the stand-in reads no field of its own."""
+    from vllm_neuron.model.glm5_next.factory import _resolve_ep_degree
+    from vllm_neuron.parallel import neuron_parallel_state as ps
+
+    st.make_groups(1, ep=False)(0)
+    assert _resolve_ep_degree(None) == 1 and _resolve_ep_degree(4) == 4
+    monkeypatch.setattr(ps, "get_neuron_ep_degree", lambda: 16)
+    assert _resolve_ep_degree(None) == 16

@@ -19,6 +19,19 @@ GLM-5 (``model/glm_moe_dsa``: ``weight_loaders.py`` key grammar and ``GlmMoeDsaC
 * outer keys exactly ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight``; the index has
   ``metadata.total_size`` (``CheckpointIndex.from_file`` refuses an index without it);
 * top-8 routing (the pinned ``num_experts_per_tok``).
+
+GLM-5.3-Flash (``model/glm5_next``, the later stored versions: ``config.py``, ``functional/moe/router.py``):
+:func:`glm5_next_config` is config.json in the layout the fork's reader accepts:
+
+* a ``vision_config`` beside the ``text_config`` (``Glm5NextConfig.from_configs`` reads both; a text-only config is
+  a KeyError there);
+* top-8 routing over 8 .. 512 experts (the fork's noaux_tc router refuses any other top-k);
+* ``layer_types`` one per layer from ``linear_attention`` / ``deepseek_sparse_attention``, on the fork's 3:1
+  schedule (layer ``i`` is DSA iff ``i % 4 == 3``; transformers releases with huggingface/transformers#48974 rename
+  the DSA entry ``indexed_attention``, which the fork's reader refuses: a tiny model of fewer than 4 layers has none);
+* the block-FP8 ``quantization_config`` (``e4m3``, dynamic, 128x128).
+The tensors the fork's whole model loads (KDA, MLA, mHC) were not read (its ``model_fp8.py`` is not in the real
+tree); the writer of the MoE layers' tensors is the tests' (``tests/_glm5next.py``).
 """
 
 from __future__ import annotations
@@ -94,3 +107,33 @@ def glm_moe_dsa(s: TinySizes, v: dict):
 
 
 PLANS = {("vllm-neuron", "glm_moe_dsa"): glm_moe_dsa}
+
+
+GLM5_NEXT_KDA, GLM5_NEXT_DSA = "linear_attention", "deepseek_sparse_attention"  # glm5_next/config.py
+GLM5_NEXT_TOP_K = 8  # functional/moe/router.py NOAUX_TC_K
+GLM5_NEXT_VISION = {"model_type": "glm5_next_vision", "depth": 1, "hidden_size": 64, "num_heads": 2,
+                    "intermediate_size": 128, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+                    "swiglu_limit": 10.0}
+
+
+def glm5_next_layer_types(num_hidden_layers: int) -> list[str]:
+    """The fork's 3:1 KDA/DSA schedule."""
+    return [GLM5_NEXT_DSA if i % 4 == 3 else GLM5_NEXT_KDA for i in range(num_hidden_layers)]
+
+
+def glm5_next_config(text: dict, weight_block_size=(128, 128), modules_to_not_convert=("lm_head", "mlp.gate")) -> dict:
+    """config.json of a tiny GLM-5.3-Flash in the layout the fork's reader accepts (module docstring). ``text``: the
+    text_config fields (sizes, routing, ``swiglu_limit``...); ``num_experts_per_tok`` must be 8."""
+    text = dict(text)
+    if int(text.get("num_experts_per_tok", GLM5_NEXT_TOP_K)) != GLM5_NEXT_TOP_K:
+        raise ValueError(f"GLM-5.3-Flash (vllm-neuron layout): the fork's router selects exactly {GLM5_NEXT_TOP_K} "
+                         f"experts per token; got num_experts_per_tok {text['num_experts_per_tok']}")
+    text.setdefault("num_experts_per_tok", GLM5_NEXT_TOP_K)
+    text.setdefault("layer_types", glm5_next_layer_types(int(text["num_hidden_layers"])))
+    text.setdefault("model_type", "glm5_next_text")
+    vision = dict(GLM5_NEXT_VISION, out_hidden_size=int(text["hidden_size"]))
+    return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text,
+            "vision_config": vision, "tie_word_embeddings": False,
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": list(weight_block_size),
+                                    "modules_to_not_convert": list(modules_to_not_convert)}}

@@ -56,9 +56,10 @@ def single() -> GroupCoordinator:
 _local = threading.local()
 
 
-def set_rank_state(tp_group, ep_degree=1, ep_rank=0, ep_tp_group=None, ep_enabled=False):
-    _local.state = dict(tp_group=tp_group, ep_degree=ep_degree, ep_rank=ep_rank,
-                        ep_tp_group=ep_tp_group or tp_group, ep_enabled=ep_enabled)
+def set_rank_state(tp_group, ep_degree=1, ep_rank=0, ep_tp_group=None):
+    """This rank's groups: TP, and expert parallelism's (degree 1: not initialised, as upstream's without EP). Whether
+    a model uses EP is vLLM's ``parallel_config.enable_expert_parallel``, which the models read themselves."""
+    _local.state = dict(tp_group=tp_group, ep_degree=ep_degree, ep_rank=ep_rank, ep_tp_group=ep_tp_group or tp_group)
 
 
 def state() -> dict:
@@ -72,6 +73,7 @@ def get_tp_group():
 
 
 def get_neuron_ep_degree():
+    """1 when expert parallelism was not initialised, as upstream."""
     return state()["ep_degree"]
 
 
@@ -80,6 +82,9 @@ def get_neuron_ep_rank():
 
 
 def get_neuron_ep_tp_group():
+    """As upstream (@b3a5a71): only exists with expert parallelism (``ep_degree > 1``)."""
+    assert state()["ep_degree"] > 1, ("Neuron EP-TP group is not initialized. Call initialize_neuron_parallel_state() "
+                                      "with ep_degree > 1.")
     return state()["ep_tp_group"]
 
 

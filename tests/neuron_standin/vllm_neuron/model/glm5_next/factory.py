@@ -1,13 +1,13 @@
-"""STAND-IN: vllm_neuron/model/glm5_next/factory.py (fork jinhuang12/vllm-neuron @382091c): the registry's class,
-whose ``from_configs(hf_config, text_neuron_config, vision_neuron_config)`` builds the implementation of
-``model_fp8``, and the expert-partition helpers the bank imports (``require_uniform_expert_partition``, and
-``_resolve_ep_degree``, which the later ``model_fp8`` imports from here)."""
+"""STAND-IN: vllm_neuron/model/glm5_next/factory.py (fork jinhuang12/vllm-neuron @382091c and the later stored
+version that defines ``_resolve_ep_degree``): the registry's class, whose ``from_configs(hf_config,
+text_neuron_config, vision_neuron_config)`` builds the implementation of ``model_fp8``, and the expert-partition
+helpers the bank imports. ``_resolve_ep_degree(None)`` asks the parallel state through the module at call time
+(``neuron_parallel_state.get_neuron_ep_degree()``: 1 when expert parallelism was never initialised), as the fork."""
 
 from dataclasses import dataclass
 
 import torch.nn as nn
 
-from vllm_neuron.parallel import neuron_parallel_state as ps
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,12 @@ def require_uniform_expert_partition(num_experts: int, degree: int) -> ExpertPar
 
 
 def _resolve_ep_degree(ep_degree=None) -> int:
-    """An explicit degree, else the parallel state's when expert parallelism is on, else 1."""
+    """An explicit degree, else the parallel state's (1 when expert parallelism was never initialised)."""
     if ep_degree is not None:
         return int(ep_degree)
-    return int(ps.get_neuron_ep_degree()) if ps.state()["ep_enabled"] else 1
+    from vllm_neuron.parallel import neuron_parallel_state
+
+    return int(neuron_parallel_state.get_neuron_ep_degree())
 
 
 class Glm5NextForConditionalGeneration(nn.Module):

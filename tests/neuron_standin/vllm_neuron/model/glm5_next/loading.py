@@ -11,7 +11,13 @@ later stored version; names from ``weight_loaders_fp8.py`` @659d671 ``build_weig
 4. every scale grid read out of band as a plain ``<proj>_weight_scale_inv`` attribute of its module (a bank's: its
    local experts' grids stacked, cut to its column);
 5. ``_run_load_time_preps``: ``prepare_scale_operands(**six operands)`` on every module whose class has it (operand
-   names from its declared names whose grid is present), then ``RELEASED_AFTER_PREP`` released."""
+   names from its declared names whose grid is present), then ``RELEASED_AFTER_PREP`` released.
+
+Sharding: a declared leaf's shard comes from ``model_fp8._SHARD_GEOMETRY``, looked up by its module's class name.
+The router weight is stored ``[H, E]`` (the fork's router reads the expert count off dim 1; which step of the fork
+turns the checkpoint's ``[E, H]`` round was not read, the stand-in's loader does). ``reader``: the shape-only
+rehearsal (``load_weights_lite``): every step on meta, tensors made from the checkpoint headers
+(:class:`MetaShapeCheckpoint`), no data read, no ``load_sharded_pipelined``."""
 
 import torch
 from torch import nn
@@ -52,10 +58,46 @@ def _keys(v):
     return v if isinstance(v, list) else [v]
 
 
-def _shard(module, name):
-    """(dim, size) of a parameter split over the TP world, or None (the stand-in shards the shared expert only)."""
-    dims = module.shard_dims() if hasattr(module, "shard_dims") else {}
-    return (dims[name], module.shard_size) if name in dims else None
+TRANSPOSED = ("router_weight",)  # stored [H, E]: the fork's router takes the expert count from dim 1
+
+
+def _shard(module, name, full_shape):
+    """(dim, size) of a declared leaf split over the ranks (model_fp8._SHARD_GEOMETRY, by class name), or None."""
+    from .model_fp8 import _shard_geometry_for
+
+    geometry = _shard_geometry_for(module, name, ps.get_tp_group().world_size)
+    if geometry is None:
+        return None
+    dim, shards = geometry
+    return dim, full_shape[dim] // shards
+
+
+class _MetaSlice:
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = list(shape), dtype
+
+    def get_shape(self):
+        return self.shape
+
+    def get_dtype(self):
+        return self.dtype
+
+    def __getitem__(self, index):
+        return torch.empty(self.shape, dtype=DTYPES[self.dtype], device="meta")[index]
+
+
+class MetaShapeCheckpoint:
+    """The rehearsal's reader: the checkpoint's headers (shape, dtype), every read a meta tensor; no data read."""
+
+    def __init__(self, checkpoint_path, cache_dir=None):
+        self.headers = SafetensorsCheckpoint(checkpoint_path, cache_dir)
+
+    def _ensure_indexed(self):
+        self.headers._ensure_indexed()
+
+    def _get_slice(self, key):
+        sl = self.headers._get_slice(key)
+        return _MetaSlice(sl.get_shape(), sl.get_dtype())
 
 
 def _cut(t, dim, lo, hi):
@@ -72,7 +114,15 @@ def materialise(model, mappings, headers, device) -> int:
             if len(keys) > 2:
                 raise NotImplementedError(f"stand-in: the fork's stacked expert-bank loader is not reproduced ({path}.{name})")
             sl = headers._get_slice(keys[0])
-            shape, shard = list(sl.get_shape()), _shard(module, name)
+            shape = list(sl.get_shape())
+            if name in TRANSPOSED:
+                shape = shape[::-1]
+                param = nn.Parameter(torch.empty(shape, dtype=DTYPES[sl.get_dtype()], device=device), requires_grad=False)
+                module.register_parameter(name, param)
+                set_weight_loader(param, SafetensorsWeightLoader(transform=lambda slices, rank: slices[0][:].T.contiguous()))
+                made += 1
+                continue
+            shard = _shard(module, name, shape)
             if shard is not None:
                 shape[shard[0]] = shard[1]
 
@@ -116,7 +166,8 @@ def load_out_of_band_scales(model, checkpoint, mappings, device) -> int:
         if len(keys) > 2:  # a routed bank: its local experts' grids, stacked
             grid = _bank_grid(module, leaf, keys[1::2], checkpoint)
         else:
-            grid, shard = checkpoint._get_slice(keys[1])[:], _shard(module, leaf)
+            grid = checkpoint._get_slice(keys[1])[:]
+            shard = _shard(module, leaf, list(checkpoint._get_slice(keys[0]).get_shape()))
             if shard is not None:
                 dim, size = shard
                 grid = _cut(grid, dim, rank * size // 128, (rank + 1) * size // 128)
@@ -149,14 +200,20 @@ def run_load_time_preps(model) -> int:
     return calls
 
 
-def load_weights(model, checkpoint_path, device, cache_dir=None) -> None:
+def load_weights(model, checkpoint_path, device, cache_dir=None, reader=None) -> None:
     mappings = build_weight_mappings(model.text_config)
-    headers = SafetensorsCheckpoint(checkpoint_path, cache_dir)
+    headers = reader if reader is not None else SafetensorsCheckpoint(checkpoint_path, cache_dir)
     headers._ensure_indexed()
     materialise(model, mappings, headers, device)
+    if reader is not None:  # the shape-only rehearsal: every later step on meta, from the headers
+        load_out_of_band_scales(model, reader, mappings, device)
+        run_load_time_preps(model)
+        model.last_load = "rehearsal"
+        return
     checkpoint = SafetensorsCheckpoint(checkpoint_path, cache_dir)
     rank = ps.get_tp_group().rank_in_group
     state = checkpoint.load_sharded_pipelined(rank, model.world_size, model, mappings, device).state_dict
     model.load_state_dict(state, strict=False, assign=True)
     load_out_of_band_scales(model, checkpoint, mappings, device)
     run_load_time_preps(model)
+    model.last_load = "weights"

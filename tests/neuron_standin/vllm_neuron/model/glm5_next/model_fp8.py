@@ -1,25 +1,29 @@
 """STAND-IN: the parts of vllm_neuron/model/glm5_next/model_fp8.py (fork jinhuang12/vllm-neuron; @77c1abaa and the
 later stored version DEVELOPING.md names) the glue touches, with the fork's signatures.
 
+* ``Glm5NextForConditionalGeneration.from_configs`` builds from ``config.Glm5NextConfig.from_configs`` (a
+  PretrainedConfig / dict / path with a ``vision_config``; the fork's contract, see config.py);
 * ``Glm5NextRoutedExperts(text_config, world_size=None, ep_degree=None)``: ``num_routed_experts``,
   ``num_experts_per_tok``, ``tp_degree`` (the world size), ``ep_degree`` (divides the experts), ``expert_partition``,
   ``num_local_experts``, ``swiglu_limit`` (refused when the config has none); declared (``None``) parameters
   ``router_weight, router_bias, gate_proj_weight, up_proj_weight, down_proj_weight``; ``local_expert_indices``;
   ``route_tokens(hidden [B, S, H], gamma, text_config, eps=None) -> (logits, expert_index, expert_affinities [T, E])``
-  (noaux_tc: RMSNorm x gamma, sigmoid scores, selection on scores + correction bias, the selected scores
-  renormalised and scaled by ``routed_scaling_factor``; n_group = topk_group = 1); ``prepare_scale_operands``
+  = the fork's ``functional.moe.router.noaux_tc_rmsnorm_router_topk`` (top-8 only, bf16 router matmul, the expert
+  count from dim 1 of ``router_weight`` [H, E]; see that stand-in); ``prepare_scale_operands``
   (six operands by keyword; ``RELEASED_AFTER_PREP``); ``forward(hidden [T, H], expert_affinities [T, E],
   quant_config, *, block_size, moe_group, tp_degree, expert_parallel_rank, collector)``, which refuses before
   the prep ran and otherwise is not reproduced (the fork's fused FP8 kernel);
 * ``Glm5NextMoEBlock.forward(hidden, normed, *, router_gamma, text_config, quant_config, ...)``: route on the pre-norm
   hidden, the bank on the normed one, plus the shared expert (``down(silu(min(g, L)) * clip(u, -L, L))`` on its FP8
   bytes x the scale grids the loader attached);
-* the model's ``load_weights`` in the fork's order (``loading.py``).
+* ``_SHARD_GEOMETRY``: which declared leaves are sharded, looked up by the declaring module's class *name*
+  (``type(module).__name__``), as the fork's ``_shard_geometry_for`` does;
+* the model's ``load_weights(path, device, cache_dir, reader=None)`` in the fork's order (``loading.py``), and
+  ``load_weights_lite(path, device, cache_dir)`` = ``self.load_weights(path, meta, cache_dir,
+  reader=_MetaShapeCheckpoint(...))``, the shape-only rehearsal on meta (reads no tensor data).
 
 The stand-in shards the shared expert's intermediate over the TP world (how the fork shards it is not
 reproduced) so that the all-reduce of the stand-in decoder (its own forward) sums the layer exactly once."""
-
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +44,27 @@ def _declare_parameters(module, *names):
 
 class Glm5NextBlockQuantRouteError(ValueError):
     pass
+
+
+# Declaring class NAME -> leaf -> (shard dim in the checkpoint's orientation, divides within the EP group). Keyed by
+# name as in the fork; a leaf not named here is replicated. The width comes with the tensor (the fork's deferred
+# geometry): full extent / number of shards.
+_SHARD_GEOMETRY = {
+    "Glm5NextSharedExperts": {"gate_proj_weight": (0, False), "up_proj_weight": (0, False), "down_proj_weight": (1, False)},
+    "Glm5NextRoutedExperts": {"gate_proj_weight": (0, True), "up_proj_weight": (0, True), "down_proj_weight": (1, True)},
+}
+
+
+def _shard_geometry_for(module, leaf, world_size):
+    """``(shard_dim, num_shards)`` of a declared leaf, or None when replicated (world 1, or one rank per EP group)."""
+    if world_size <= 1:
+        return None
+    declared = _SHARD_GEOMETRY.get(type(module).__name__, {}).get(leaf)
+    if declared is None:
+        return None
+    dim, within_ep = declared
+    shards = world_size // max(1, int(getattr(module, "ep_degree", 1))) if within_ep else world_size
+    return None if shards <= 1 else (dim, shards)
 
 
 class Glm5NextQuantConfig:
@@ -75,17 +100,13 @@ class Glm5NextRoutedExperts(nn.Module):
 
     def route_tokens(self, hidden_states, gamma, text_config, eps=None):
         eps = float(text_config.rms_norm_eps) if eps is None else eps
-        x = hidden_states.reshape(-1, hidden_states.shape[-1]).float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma.float().reshape(-1)
-        logits = x @ self.router_weight.float().T
-        scores = torch.sigmoid(logits)
-        index = torch.topk(scores + self.router_bias.float(), int(text_config.num_experts_per_tok), dim=-1).indices
-        weights = scores.gather(1, index)
-        if text_config.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights * float(text_config.routed_scaling_factor)
-        affinities = torch.zeros_like(scores).scatter(1, index, weights)
-        return logits, index.to(torch.int32), affinities
+        from vllm_neuron.functional.moe.router import noaux_tc_rmsnorm_router_topk
+
+        logits, index, affinities, _ = noaux_tc_rmsnorm_router_topk(
+            hidden_states=hidden_states, gamma=gamma, router_weights=self.router_weight, correction_bias=self.router_bias,
+            top_k=int(text_config.num_experts_per_tok), eps=eps, norm_topk_prob=bool(text_config.norm_topk_prob),
+            routed_scaling_factor=float(text_config.routed_scaling_factor))
+        return logits, index, affinities
 
     def prepare_scale_operands(self, gate_proj_weight, up_proj_weight, down_proj_weight, gate_proj_scale, up_proj_scale,
                                down_proj_scale):
@@ -114,9 +135,6 @@ class Glm5NextSharedExperts(nn.Module):
         world = ps.get_tp_group().world_size
         self.shard_size = int(text_config.moe_intermediate_size) * self.num_shared_experts // world
         _declare_parameters(self, "gate_proj_weight", "up_proj_weight", "down_proj_weight")
-
-    def shard_dims(self):  # (stand-in) the dimension of each projection split over the TP world
-        return {"gate_proj_weight": 0, "up_proj_weight": 0, "down_proj_weight": 1}
 
     def scale_route_operands(self):
         grids = [getattr(self, f"{leaf[: -len('_weight')]}_{FP8_SCALE_SUFFIX}") for leaf in self.SCALE_ROUTE_LEAVES]
@@ -174,9 +192,9 @@ class Glm5NextForConditionalGeneration(nn.Module):
 
     @classmethod
     def from_configs(cls, hf_config, text_neuron_config=None, vision_neuron_config=None):
-        config = SimpleNamespace(**vars(hf_config))
-        config.text_config = SimpleNamespace(**vars(hf_config.text_config), neuron_config=text_neuron_config)
-        return cls(config)
+        from .config import Glm5NextConfig
+
+        return cls(Glm5NextConfig.from_configs(hf_config, text_neuron_config, vision_neuron_config))
 
     def forward(self, hidden_states, *, moe_group=None, tp_degree=1, expert_parallel_rank=0):
         """STAND-IN forward (no attention, no mHC, no KV cache): every layer's MoE block on the same hidden states
@@ -192,5 +210,10 @@ class Glm5NextForConditionalGeneration(nn.Module):
             outs.append(self.tp_group.all_reduce(out) if self.world_size > 1 else out)
         return torch.stack(outs)
 
-    def load_weights(self, checkpoint_path, device, cache_dir=None):
-        loading.load_weights(self, checkpoint_path, device, cache_dir)
+    def load_weights(self, checkpoint_path, device, cache_dir=None, reader=None):
+        loading.load_weights(self, checkpoint_path, device, cache_dir, reader=reader)
+
+    def load_weights_lite(self, checkpoint_path, device, cache_dir=None):
+        """The shape-only rehearsal: the full load on meta, tensors from the headers (no data read)."""
+        self.load_weights(checkpoint_path, torch.device("meta"), cache_dir,
+                          reader=loading.MetaShapeCheckpoint(checkpoint_path, cache_dir))

@@ -1,0 +1,1 @@
+"""STAND-IN: vllm_neuron/functional/moe (package marker)."""
