@@ -42,7 +42,7 @@ def default_base() -> str:
     added = git("log", "--diff-filter=A", "--format=%H", "--", "docs/cost-model.md").split()
     if not added:
         sys.exit("docs/cost-model.md was never committed: pass --base REV (the one-page README's commit)")
-    return added[-1] + "^"
+    return added[-1][:9] + "^"
 
 
 def current_pages() -> dict[str, list[str]]:
