@@ -1,4 +1,4 @@
-"""README table: end to end on vLLM's CPU build, neuron-w8 vs the BF16 twin (``e2e-*.json``)."""
+"""Table of docs/cpu-path.md: end to end on vLLM's CPU build, neuron-w8 vs the BF16 twin (``e2e-*.json``)."""
 
 from __future__ import annotations
 
