@@ -14,7 +14,7 @@ are the schedule a host without a calibration file gets, under the other scenari
    Device time is the kernel on one NeuronCore-v3; "eager" adds the fitted launch overhead per call.
 
     .venv/bin/python -m benchmarks.bench_cost_model
-Writes benchmarks/results/cost_model.json (the README's calibration and kernel-choice tables come from it).
+Writes benchmarks/results/cost_model.json (docs/cost-model.md's calibration and kernel-choice tables come from it).
 """
 
 from __future__ import annotations

@@ -2,13 +2,16 @@
 
 The model (written once by vllm_moe_w8.tiny_models, cached in --dir): Qwen3-MoE layout, hidden 2048,
 moe_intermediate 512 (Qwen3.5-35B-A3B's expert width), top-8, a few layers, 64 experts by default (the real
-256 only multiplies the memory; pass --experts 256 if the machine has room). Five variants, each
+256 only multiplies the memory; pass --experts 256 if the machine has room). Five variants by default (a sixth on request), each
 served in its own process, one after the other:
 
 * ``w8``        -- the FP8 checkpoint with ``quantization="neuron-w8"`` (experts repacked at load time);
 * ``w8-conv``   -- the same checkpoint pre-converted by ``vllm-moe-w8 convert`` (no conversion work at load);
 * ``w8-vllmfp8`` -- ``w8`` with ``VLLM_MOE_W8_CPU_KERNEL=vllm-fp8``: the routed experts on vLLM's own FP8 W8A16 kernel
                    (vllm_glue/cpu_vllm_fp8.py; what ``auto`` picks on AMX hosts), here whatever the CPU;
+* ``w8-vllmfp8-linear`` -- ``w8-vllmfp8`` with ``VLLM_MOE_W8_CPU_LINEAR=vllm-fp8`` too: the other FP8 layers at 1 byte
+                   on vLLM's FP8 W8A16 linear kernel (vllm_glue/cpu_vllm_fp8_linear.py): both choices ``auto`` makes on
+                   AMX hosts where the layouts fit (not in the default list: run it with ``--variants``);
 * ``bf16-twin`` -- the exactly dequantised BF16 twin, unquantised (what vLLM serves without the plugin here);
 * ``vllm-fp8``  -- the same FP8 checkpoint with vLLM's own ``quantization="fp8"`` (no plugin). vLLM 0.32's CPU FP8
                    linear and MoE kernels need Intel AMX; where it cannot start, the JSON records why (the error it
@@ -90,7 +93,7 @@ def make_models(root: Path, a) -> dict[str, Path]:
         summary = convert_checkpoint(src, conv, mode="pow2", progress=False)
         if not summary.get("ok", True):
             raise SystemExit(f"convert failed: {summary.get('message')}")
-    return {"w8": src, "w8-conv": conv, "w8-vllmfp8": src, "bf16-twin": twin, "vllm-fp8": src}
+    return {"w8": src, "w8-conv": conv, "w8-vllmfp8": src, "w8-vllmfp8-linear": src, "bf16-twin": twin, "vllm-fp8": src}
 
 
 def expert_bytes_in(ckpt: Path) -> int:
@@ -133,7 +136,8 @@ def run_variant(name: str, model: Path, a, tmp: Path) -> dict:
     script.write_text(RUNNER)
     payload = {"model": str(model), "llm": llm_kwargs, "eager": not a.compile, "batches": a.batches, "max_tokens": a.max_tokens}
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(a.kv_gb), VLLM_MOE_W8_AUTO="0",
-               VLLM_MOE_W8_CPU_KERNEL="vllm-fp8" if name == "w8-vllmfp8" else os.environ.get("VLLM_MOE_W8_CPU_KERNEL", "auto"))
+               VLLM_MOE_W8_CPU_KERNEL="vllm-fp8" if name.startswith("w8-vllmfp8") else os.environ.get("VLLM_MOE_W8_CPU_KERNEL", "auto"),
+               VLLM_MOE_W8_CPU_LINEAR="vllm-fp8" if name == "w8-vllmfp8-linear" else os.environ.get("VLLM_MOE_W8_CPU_LINEAR", "auto"))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(script), json.dumps(payload)], capture_output=True, text=True,
                           timeout=3600, env=env)

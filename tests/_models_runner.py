@@ -19,7 +19,8 @@ vLLM's CPU kernel choices depend on the CPU (AMX hosts get other kernels), so ev
 ``CpuPlatform.get_attn_backend_cls`` returned), ``"attention_isas"`` (``cpu_attn._get_attn_isa``) and ``"moe_isas"``
 (the ``isa`` of every ``cpu_fused_moe`` call: vLLM's own unquantised MoE; empty under neuron-w8, whose op is its
 own), ``"w8_cpu_kernels"`` (what each neuron-w8 routed-experts call ran: ``"op"``, the plugin's op, or
-``"vllm-fp8"``, vLLM's FP8 kernel, vllm_glue/cpu_vllm_fp8.py), and ``"routing"``: the expert ids each MoE layer chose for every prompt token in the first ``generate``
+``"vllm-fp8"``, vLLM's FP8 kernel, vllm_glue/cpu_vllm_fp8.py), ``"w8_cpu_linears"`` (``["vllm-fp8"]`` where a non-expert
+FP8 linear ran vLLM's FP8 linear kernel, vllm_glue/cpu_vllm_fp8_linear.py; the dequantised ones are vLLM's own), and ``"routing"``: the expert ids each MoE layer chose for every prompt token in the first ``generate``
 call's prefill (vLLM's ``cpu_fused_moe`` and neuron-w8's ``op.cpu.fused_moe_cpu`` record them), and
 ``"amx_permission"``: whether this process holds the AMX tile permission, and what the plugin's registration did.
 ``"moe_isa": "vec"`` pins vLLM's unquantised MoE to its portable ``"vec"`` kernel for that run (on AMX hosts vLLM would pick ``X86CPUUnquantizedExperts``, isa ``"amx"``; elsewhere it picks ``"vec"`` anyway): the
@@ -66,7 +67,8 @@ def _prompt_logprobs(output) -> list[float]:
     return out
 
 
-_picked: dict[str, list] = {"attention_backends": [], "attention_isas": [], "moe_isas": [], "w8_cpu_kernels": []}
+_picked: dict[str, list] = {"attention_backends": [], "attention_isas": [], "moe_isas": [], "w8_cpu_kernels": [],
+                            "w8_cpu_linears": []}
 # topk_ids of every routed-experts call in this process (vLLM's cpu_fused_moe and neuron-w8's op), for the routing
 # each run chose: the accuracy gate sets aside the positions where two runs routed differently (near-ties).
 _routing: list = []
@@ -121,6 +123,16 @@ def _record_kernel_choices() -> None:
         return fp8_forward(*a, **kw)
 
     cpu_vllm_fp8.forward = vllm_fp8_forward
+
+    from vllm_moe_w8.vllm_glue import cpu_vllm_fp8_linear
+
+    linear_forward = cpu_vllm_fp8_linear.forward  # a non-expert FP8 linear kept at 1 byte for vLLM's FP8 linear kernel
+
+    def vllm_fp8_linear_forward(*a, **kw):
+        _picked["w8_cpu_linears"].append("vllm-fp8")
+        return linear_forward(*a, **kw)
+
+    cpu_vllm_fp8_linear.forward = vllm_fp8_linear_forward
 
 
 def _prefill_routing(prompt_lens: list[int]) -> list:

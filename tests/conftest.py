@@ -63,6 +63,9 @@ def this_cpu_flags() -> frozenset[str]:
 # every child it starts runs the op unless it asks for vLLM's kernel by name (tests/test_cpu_vllm_fp8.py, the
 # accuracy gate's vllm-fp8 run).
 os.environ.setdefault("VLLM_MOE_W8_CPU_KERNEL", "native")
+# Likewise the non-expert FP8 linears (vllm_glue/cpu_vllm_fp8_linear.py: auto would keep them at 1 byte for vLLM's FP8
+# linear kernel on AMX hosts): dequantised unless a test asks for vLLM's kernel by name.
+os.environ.setdefault("VLLM_MOE_W8_CPU_LINEAR", "dequant")
 
 CPU_FLAGS = this_cpu_flags()
 CPU_VARIANT = cpu_variant(CPU_FLAGS)

@@ -1,4 +1,4 @@
-"""``benchmarks.bench_e2e.start_failure``: the reason a vLLM start-up stopped, as the e2e record and README state it.
+"""``benchmarks.bench_e2e.start_failure``: the reason a vLLM start-up stopped, as the e2e record and docs/cpu-path.md state it.
 
 The log below is the shape vLLM 0.32's CPU build prints when ``quantization="fp8"`` meets a CPU without AMX (worker
 prefix, logger prefix, the error and its reason lines, then the engine's own traceback)."""

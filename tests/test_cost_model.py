@@ -150,7 +150,7 @@ def test_kernel_choice_rows_come_from_the_model(record, scenario):
 # the model): faster than BF16 at every decode T in both scenarios (each with its own schedule, and the default
 # schedule in the documented one too); in the documented scenario <= 0.8x BF16 and within 2x the HBM time of the
 # weights. The fitted scenario cannot reach 0.8x: there TensorE alone (the same 128x512 matmul stream BF16 runs,
-# 616 fitted cycles each, plus transposes) is ~0.84x BF16's time (README, cost-model section).
+# 616 fitted cycles each, plus transposes) is ~0.84x BF16's time (docs/cost-model.md).
 POW2_VS_BF16_DOCUMENTED = 0.8
 POW2_VS_BF16_FITTED = 0.9
 POW2_VS_HBM_DOCUMENTED = 2.0

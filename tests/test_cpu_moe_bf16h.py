@@ -11,7 +11,7 @@ register path (<= 3 pairs per expert) and the panel path, with one and two threa
 
 Why this exists: served in a tiny bf16 Qwen3.5-MoE the BF16 h missed the model accuracy gate (max |dlogprob| 0.347 vs
 0.030 exact). This gate shows the kernel does what it says on every path the model uses; the gap came from one
-last-layer routing flip at a near-tie (README, "Performance of the torch path (CPU)").
+last-layer routing flip at a near-tie (docs/cpu-path.md, "Performance of the torch path (CPU)").
 """
 
 from __future__ import annotations

@@ -94,18 +94,19 @@ CASES = {
 }
 
 
-# The cases served once more with the routed experts on vLLM's own FP8 W8A16 kernel (VLLM_MOE_W8_CPU_KERNEL=vllm-fp8;
-# what auto picks on AMX hosts where the layout fits: 128 x 128 tiles, I a multiple of 128, BF16 activations). It
-# rounds to BF16 where the op does not, like the twin's BF16 activations, so the BF16 gate applies unchanged.
+# The cases served once more on vLLM's own FP8 W8A16 kernels: the routed experts (VLLM_MOE_W8_CPU_KERNEL=vllm-fp8;
+# what auto picks on AMX hosts where the layout fits: 128 x 128 tiles, I a multiple of 128, BF16 activations) and the
+# non-expert FP8 linears at 1 byte (VLLM_MOE_W8_CPU_LINEAR=vllm-fp8; auto's choice on AMX hosts where they fit). They
+# round to BF16 where the op does not, like the twin's BF16 activations, so the BF16 gate applies unchanged.
 VLLM_FP8_CASES = ("qwen3.5-moe-block",)
 VLLM_FP8_RUN = "neuron-w8-vllm-fp8"
 
 
 def vllm_fp8_missing() -> str | None:
     """Why this host's vLLM build cannot run its FP8 kernel (vLLM's AVX2 build has none), or None."""
-    from vllm_moe_w8.vllm_glue import cpu_vllm_fp8
+    from vllm_moe_w8.vllm_glue import cpu_vllm_fp8, cpu_vllm_fp8_linear
 
-    return cpu_vllm_fp8.unavailable_reason()
+    return cpu_vllm_fp8.unavailable_reason() or cpu_vllm_fp8_linear.unavailable_reason()
 
 # Broken copies served next to each case, in the same child (one more engine start each): the gate must
 # refuse them. A checkpoint's own fault passes the load-time self-check (the plugin serves what the file
@@ -130,7 +131,7 @@ def case(request, tiny_checkpoint, tiny_twin, tmp_path_factory):
              "moe_isa": TWIN_MOE_ISA}]
     if name in VLLM_FP8_CASES and vllm_fp8_missing() is None:
         runs.append({"name": VLLM_FP8_RUN, "model": str(ckpt), "dense_mla": dense, "llm": quant,
-                     "env": {"VLLM_MOE_W8_CPU_KERNEL": "vllm-fp8"}})
+                     "env": {"VLLM_MOE_W8_CPU_KERNEL": "vllm-fp8", "VLLM_MOE_W8_CPU_LINEAR": "vllm-fp8"}})
     for fault, (_what, breaker) in FAULTS.items():
         broken = corrupt.copy_checkpoint(ckpt, work / f"broken-{fault}")
         breaker(broken)
@@ -225,7 +226,10 @@ def test_vllm_fp8_kernel_run_matches_dequantised_twin(case):
         pytest.skip(f"vLLM's FP8 kernel cannot run on this host: {vllm_fp8_missing()}")
     fp8_run, twin = _entry(results, VLLM_FP8_RUN), _entry(results, "twin")
     assert fp8_run["w8_cpu_kernels"] == ["vllm-fp8"], fp8_run["w8_cpu_kernels"]
+    assert fp8_run["w8_cpu_linears"] == ["vllm-fp8"], fp8_run["w8_cpu_linears"]
     assert any("routed experts on CPU: vLLM's FP8 W8A16 MoE kernel" in line for line in results["_plugin_log"])
+    assert any("non-expert linear layers: " in line and "on vLLM's FP8 kernel (1 byte per weight)" in line
+               and "dequantised" not in line for line in results["_plugin_log"]), results["_plugin_log"]
     logprob_gate(case, fp8_run, twin)
 
 
@@ -247,5 +251,6 @@ def test_runs_used_the_kernels_the_gate_assumes(case):
         assert entry["moe_isas"] == want_moe, (name, entry["moe_isas"])
         want_w8 = [] if name == "twin" else ["vllm-fp8"] if name == VLLM_FP8_RUN else ["op"]
         assert entry["w8_cpu_kernels"] == want_w8, (name, entry["w8_cpu_kernels"])
+        assert entry["w8_cpu_linears"] == (["vllm-fp8"] if name == VLLM_FP8_RUN else []), (name, entry["w8_cpu_linears"])
         # the kernels vLLM picks by CPU are picked alike in every run of the case (on AMX hosts: "amx" for bf16)
         assert entry["attention_isas"] == entries["twin"]["attention_isas"], (name, entry["attention_isas"])

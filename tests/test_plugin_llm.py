@@ -101,13 +101,19 @@ def test_llm_forcing_vllms_fp8_kernel_on_output_block_scales_refuses_to_start(ch
 
 
 def test_llm_on_vllms_fp8_kernel_under_torch_compile(checkpoint, tmp_path):
-    """The MoE method's other CPU path (vLLM's FP8 kernel on the prepacked experts, asked for by name) under vLLM's
-    default torch.compile: it loads, says which path and why, and generates (accuracy: tests/test_models_accuracy.py)."""
+    """The MoE method's other CPU path (vLLM's FP8 kernel on the prepacked experts, asked for by name), with the
+    non-expert FP8 linears on vLLM's FP8 linear kernel, under vLLM's default torch.compile: it loads, says which paths
+    and why, and generates (accuracy: tests/test_models_accuracy.py)."""
     from vllm_moe_w8.vllm_glue import cpu_vllm_fp8
 
-    if cpu_vllm_fp8.unavailable_reason():
-        pytest.skip(f"vLLM's FP8 kernel cannot run on this host: {cpu_vllm_fp8.unavailable_reason()}")
+    from vllm_moe_w8.vllm_glue import cpu_vllm_fp8_linear
+
+    missing = cpu_vllm_fp8.unavailable_reason() or cpu_vllm_fp8_linear.unavailable_reason()
+    if missing:
+        pytest.skip(f"vLLM's FP8 kernels cannot run on this host: {missing}")
     result, log = _run_llm(tmp_path, checkpoint, {"quantization": "neuron-w8"},
-                           {"VLLM_MOE_W8_AUTO": "0", "VLLM_MOE_W8_CPU_KERNEL": "vllm-fp8"})
+                           {"VLLM_MOE_W8_AUTO": "0", "VLLM_MOE_W8_CPU_KERNEL": "vllm-fp8", "VLLM_MOE_W8_CPU_LINEAR": "vllm-fp8"})
     _check(result, log, "pow2", "default")
+    linears = [line for line in log.splitlines() if "neuron-w8: processed" in line and "non-expert linear layers" in line]
+    assert linears and "on vLLM's FP8 kernel (1 byte per weight)" in linears[0] and "dequantised" not in linears[0], excerpt(log)
     assert "routed experts on CPU: vLLM's FP8 W8A16 MoE kernel (VLLM_MOE_W8_CPU_KERNEL=vllm-fp8" in log, excerpt(log)

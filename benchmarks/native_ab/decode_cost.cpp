@@ -1,6 +1,6 @@
 // The AVX2 kernel's one-token inner loop with its codes in L1 (one 2 KiB row reused): cycles per 64 codes of three
 // exact decodes (the kernel's F16C one, F16C on 8-code halves, float32 bits x 2^120), at the clock given by ghz
-// (a dependent-add loop measures ~2.0 G adds/s on the 2-core EPYC VM). Used for the README's AVX2 profile:
+// (a dependent-add loop measures ~2.0 G adds/s on the 2-core EPYC VM). Used for docs/cpu-path.md's AVX2 profile:
 //   g++ -O3 -mavx2 -mfma -mf16c -o /tmp/decode_cost benchmarks/native_ab/decode_cost.cpp && /tmp/decode_cost
 #include <immintrin.h>
 #include <cstdio>

@@ -1,1 +1,2 @@
-"""One module per generated README table: ``render(results_dir: Path) -> str`` (see ``benchmarks/readme_tables.py``)."""
+"""One module per generated table of README.md or a docs/*.md page: ``render(results_dir: Path) -> str``
+(see ``benchmarks/readme_tables.py``)."""

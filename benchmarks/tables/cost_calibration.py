@@ -1,4 +1,5 @@
-"""README table: every published hardware figure of the reference kernels beside both scenarios' models."""
+"""Table of docs/cost-model.md: every published hardware figure of the reference kernels beside both
+scenarios' models."""
 
 from __future__ import annotations
 

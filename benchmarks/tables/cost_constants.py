@@ -1,4 +1,5 @@
-"""README table: the cost model's constants in both scenarios, each with its source (documented, fitted, assumed)."""
+"""Table of docs/cost-model.md: the cost model's constants in both scenarios, each with its source (documented, fitted,
+assumed)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""README table: end to end on vLLM's CPU build, neuron-w8 vs the BF16 twin (``e2e-*.json``)."""
+"""Table of docs/cpu-path.md: end to end on vLLM's CPU build, neuron-w8 vs the BF16 twin (``e2e-*.json``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 from benchmarks.readme_tables import markdown_table
 
 LABELS = {"w8": "neuron-w8 (repack at load)", "w8-conv": "neuron-w8, pre-converted",
-          "w8-vllmfp8": "neuron-w8, experts on vLLM's FP8 kernel (`VLLM_MOE_W8_CPU_KERNEL=vllm-fp8`)", "bf16-twin": "BF16 twin (vLLM unquantised)",
+          "w8-vllmfp8": "neuron-w8, experts on vLLM's FP8 kernel (`VLLM_MOE_W8_CPU_KERNEL=vllm-fp8`)",
+          "w8-vllmfp8-linear": "neuron-w8, experts and other FP8 layers on vLLM's FP8 kernels (`..._CPU_KERNEL`, `..._CPU_LINEAR=vllm-fp8`)", "bf16-twin": "BF16 twin (vLLM unquantised)",
           "vllm-fp8": "vLLM's own fp8 (`quantization=\"fp8\"`, no plugin)"}
 
 

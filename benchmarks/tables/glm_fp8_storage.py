@@ -1,5 +1,5 @@
-"""README table: Trn2 expert storages for GLM against the checkpoint's E4M3FN decode, and per-rank expert bytes
-at the GLM layouts (``benchmarks/bench_glm_fp8_storage.py`` -> ``glm_fp8_storage.json``)."""
+"""Table of docs/glm-storage.md: Trn2 expert storages for GLM against the checkpoint's E4M3FN decode, and per-rank
+expert bytes at the GLM layouts (``benchmarks/bench_glm_fp8_storage.py`` -> ``glm_fp8_storage.json``)."""
 
 from __future__ import annotations
 

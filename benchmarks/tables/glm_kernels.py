@@ -1,5 +1,5 @@
-"""README table: modelled per-call kernel time of neuron-w8's served launch vs the vllm-neuron fork's GLM dataflows
-(``benchmarks/bench_glm_kernels.py`` -> ``glm_kernels.json``)."""
+"""Table of docs/glm-storage.md: modelled per-call kernel time of neuron-w8's served launch vs the vllm-neuron fork's
+GLM dataflows (``benchmarks/bench_glm_kernels.py`` -> ``glm_kernels.json``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""README table: prefill on one Qwen3.5-35B-A3B EP=8 rank, dense vs token-grouped vs block-scheduled kernel, as the
-cost model prices the interpreter's counts in both scenarios (``benchmarks/bench_grouped_prefill.py`` -> ``grouped_prefill.json``)."""
+"""Table of docs/trainium2-kernels.md: prefill on one Qwen3.5-35B-A3B EP=8 rank, dense vs token-grouped vs
+block-scheduled kernel, as the cost model prices the interpreter's counts in both scenarios
+(``benchmarks/bench_grouped_prefill.py`` -> ``grouped_prefill.json``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""README table: this project's kernels under both cost scenarios at Qwen3.5 / GLM-5.3-Flash rank shapes."""
+"""Table of docs/cost-model.md: this project's kernels under both cost scenarios at Qwen3.5 / GLM-5.3-Flash
+rank shapes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""README table: each CPU path's output error vs a float64 reference (``moe_op-*.json`` recorded with ``--check``)."""
+"""Table of docs/cpu-path.md: each CPU path's output error vs a float64 reference (``moe_op-*.json`` recorded with
+``--check``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""README table: one MoE layer, neuron-w8's CPU op vs vLLM's CPU kernels for the same checkpoint (``moe_op-*.json``).
+"""Table of docs/cpu-path.md: one MoE layer, neuron-w8's CPU op vs vLLM's CPU kernels for the same checkpoint
+(``moe_op-*.json``).
 
 One block per JSON file (one machine variant / forced ISA / thread count each). Files recorded before the
 comparison with the fastest vLLM kernel (only ``vllm_ms``: vLLM BF16 "vec") are rendered with that one column.

@@ -1,4 +1,5 @@
-"""README table: repack throughput next to a plain copy of the same bytes (``repack-*.json``, one per host)."""
+"""Table of docs/cpu-path.md: repack throughput next to a plain copy of the same bytes (``repack-*.json``, one per
+host)."""
 
 from __future__ import annotations
 

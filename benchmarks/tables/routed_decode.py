@@ -1,5 +1,5 @@
-"""README table: decode on one rank, the selective (block-scheduled) kernel vs the all-expert dense kernel, as the
-cost model prices the interpreter's counts (``benchmarks/bench_nki_kernels.py --routed`` ->
+"""Table of docs/trainium2-kernels.md: decode on one rank, the selective (block-scheduled) kernel vs the all-expert
+dense kernel, as the cost model prices the interpreter's counts (``benchmarks/bench_nki_kernels.py --routed`` ->
 ``bench_nki_routed_decode.json``), per cost scenario."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""README table: issue #20's goals for the device-scheduled kernels, per cost scenario, from the recorded JSON
-(``bench_nki_routed_decode.json``: decode T=1; ``grouped_prefill.json``: prefill 2k/8k, blocks vs grouped)."""
+"""Table of docs/trainium2-kernels.md: issue #20's goals for the device-scheduled kernels, per cost scenario, from the
+recorded JSON (``bench_nki_routed_decode.json``: decode T=1; ``grouped_prefill.json``: prefill 2k/8k, blocks vs
+grouped)."""
 
 from __future__ import annotations
 

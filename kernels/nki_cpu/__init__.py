@@ -8,7 +8,7 @@ dtype and PSUM rules; ``accumulate=True`` only after an initialising matmul; PSU
 224 KiB per partition; DMA dtype matching; no reads of never-written memory; arithmetic operators only;
 no tensor_scalar on GpSimdE; GpSimdE never touches PSUM), refuses NKI arguments it does not model instead of ignoring them, checks a
 kernel's source against the traced Python subset (:mod:`.subset`), and counts what a kernel does
-(:class:`Stats`), which :mod:`.cost` turns into an estimated NeuronCore-v3 time. README.md lists every rule
+(:class:`Stats`), which :mod:`.cost` turns into an estimated NeuronCore-v3 time. docs/trainium2-kernels.md lists every rule
 with where it is enforced and the test that breaks it.
 
 What it does not model: instruction scheduling and engine concurrency (the cost model assumes perfect

@@ -1,7 +1,7 @@
 """Cost model: a run's :class:`~.machine.Stats` -> estimated time on one NeuronCore-v3 (Trn2).
 
 The constants live in :mod:`.calibration`, each with its source (AWS documentation, the published profile of
-the reference implementation, or "fitted" by :mod:`.calibrate`); the README's kernel-figures section lists them
+the reference implementation, or "fitted" by :mod:`.calibrate`); docs/cost-model.md lists them
 beside the published figures they reproduce. The rules:
 
 * **DMA queues** (``dma_s``, Explorer's "DMA active time"): bytes at the effective DMA rate plus a fixed

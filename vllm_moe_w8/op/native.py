@@ -34,7 +34,7 @@ ENV_ISA = "VLLM_MOE_W8_CPU_ISA"
 # exact (default): h = SiLU(gate)*up exact; bf16 (opt-in): h rounded to bf16 for bf16 activations on avx512bf16.
 # Not the default: a tiny bf16 Qwen3.5-MoE served with it misses the model accuracy gate (max |dlogprob| 0.35 vs the
 # twin, 0.030 with the exact h; tests/test_models_accuracy.py): not a kernel error (tests/test_cpu_moe_bf16h.py) but one
-# last-layer top-k near-tie on the gate's prompts that its one-ulp different hidden state crosses (README, CPU section).
+# last-layer top-k near-tie on the gate's prompts that its one-ulp different hidden state crosses (docs/cpu-path.md).
 ENV_H = "VLLM_MOE_W8_CPU_H"
 H_CHOICES = ("exact", "bf16")
 

@@ -14,7 +14,7 @@ activations (float16 aborts the process, probed by hand; float32 is refused),
 I per rank a multiple of 128 (vLLM's w13 grid has one tile row across the gate/up seam
 otherwise), SiLU with no ``swiglu_limit``, no expert parallelism (routes to other ranks have no id the kernel takes).
 
-Numbers: vLLM's kernel rounds to BF16 where the native kernel does not (measured error vs float64 in the README);
+Numbers: vLLM's kernel rounds to BF16 where the native kernel does not (measured error vs float64 in docs/cpu-path.md);
 the native kernel is the exact path and stays selectable (``VLLM_MOE_W8_CPU_KERNEL=native``).
 
 Choice (``auto``): vLLM's kernel on AMX hosts where the layout fits -- there it is what vLLM runs for the checkpoint
@@ -92,7 +92,7 @@ def decide(block, code_format: str, inter: int, in_dtype: torch.dtype, swiglu_li
         if unfit:
             raise ValueError(f"{ENV}=vllm-fp8, but vLLM's FP8 MoE kernel cannot run this layer: {unfit}. "
                              f"Unset {ENV} (or set it to native) to use the native kernel")
-        return True, f"vLLM's FP8 W8A16 MoE kernel ({ENV}=vllm-fp8; BF16 rounding, see the README)"
+        return True, f"vLLM's FP8 W8A16 MoE kernel ({ENV}=vllm-fp8; BF16 rounding, see docs/cpu-path.md)"
     if not amx_host():
         return False, f"native kernel (no AMX tiles: vLLM runs its FP8 kernel only on AMX hosts; {ENV}=vllm-fp8 to try it)"
     if unfit:

@@ -1,4 +1,5 @@
-"""``NeuronW8LinearMethod``: non-expert FP8 linear layers, dequantised once to the model dtype.
+"""``NeuronW8LinearMethod``: non-expert FP8 linear layers, dequantised once to the model dtype (or, where vLLM's
+own FP8 linear kernel runs the layer on this CPU, kept at 1 byte for it: :mod:`.cpu_vllm_fp8_linear`).
 
 FP8 checkpoints quantise more than the routed experts: attention q/k/v/o, shared experts, Qwen3.5's
 linear-attention ``in_proj_qkv`` / ``in_proj_z`` / ``out_proj``, dense MLPs, GLM's MLA projections.
@@ -15,6 +16,11 @@ shards (a 64-row k_proj in a 128-row block, a per-rank size that is not a multip
 special case. Columns of a row-parallel layer whose per-rank input is not a multiple of the block
 are refined to ``gcd(K_rank, bk)`` the same way.
 
+Where :func:`.cpu_vllm_fp8_linear.decide` picks vLLM's FP8 W8A16 linear kernel (AMX hosts where the layout fits, or
+``VLLM_MOE_W8_CPU_LINEAR=vllm-fp8``), the loaded FP8 weight is VNNI-prepacked for it instead (the prepacked copy
+replaces the bytes: 1 byte per weight, no BF16 copy) and the per-row scales are folded back to its tile grid.
+Every layer reports its path to the model's :class:`.load_summary.LinearLoadSummary`.
+
 A layer whose checkpoint weight arrives in BF16/FP16/FP32 (a router or projection the checkpoint did
 not quantise but did not list in ``modules_to_not_convert``) is kept as it is.
 """
@@ -30,7 +36,9 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_moe_w8.codec import fp8
+from vllm_moe_w8.vllm_glue import cpu_vllm_fp8_linear
 from vllm_moe_w8.vllm_glue.checkpoint_format import CheckpointFormat
+from vllm_moe_w8.vllm_glue.load_summary import LinearLoadSummary
 
 
 def _refine_rows_cols(scale: torch.Tensor, block: tuple[int, int], n_full: int | None, col_tile: int, k_full: int) -> torch.Tensor:
@@ -49,9 +57,10 @@ def _refine_rows_cols(scale: torch.Tensor, block: tuple[int, int], n_full: int |
 class NeuronW8LinearMethod(LinearMethodBase):
     """FP8 (block or per-channel) linear layer served in the model dtype (see the module docstring)."""
 
-    def __init__(self, fmt: CheckpointFormat, prefix: str = ""):
+    def __init__(self, fmt: CheckpointFormat, prefix: str = "", summary: LinearLoadSummary | None = None):
         self.fmt = fmt
         self.prefix = prefix
+        self.summary = summary if summary is not None else LinearLoadSummary()
         self.block = fmt.linear_block
         self.suffix = fmt.linear_scale_suffix
         self.hand_over = True  # after dequantising, serve with vLLM's UnquantizedLinearMethod (tests may turn off)
@@ -70,6 +79,8 @@ class NeuronW8LinearMethod(LinearMethodBase):
         layer.output_size_per_partition = n_rank
         layer.orig_dtype = params_dtype
         layer.neuron_w8_fp8 = True
+        layer.neuron_w8_vllm_fp8_tile = 0  # > 0: served by vLLM's FP8 kernel with [tile, 128] scale tiles
+        self.summary.layer_created()
 
         weight = torch.nn.Parameter(torch.empty(n_rank, k_rank, dtype=torch.float8_e4m3fn), requires_grad=False)
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
@@ -124,7 +135,13 @@ class NeuronW8LinearMethod(LinearMethodBase):
         return load
 
     def process_weights_after_loading(self, layer) -> None:
+        if getattr(layer, "neuron_w8_processed", False):
+            return
+        layer.neuron_w8_processed = True
         if not getattr(layer, "neuron_w8_fp8", True) or layer.weight.dtype != torch.float8_e4m3fn:
+            weight = layer.weight.data
+            self.summary.layer_processed("as-loaded", f"kept as loaded: {weight.dtype} in the checkpoint", self.prefix,
+                                         weight.numel() * weight.element_size())
             return
         codes = layer.weight.data.view(torch.uint8)
         scale = getattr(layer, self.suffix).data
@@ -137,6 +154,14 @@ class NeuronW8LinearMethod(LinearMethodBase):
         bad = ~torch.isfinite(scale) | (scale <= 0)
         if bool(bad.any()):
             raise ValueError(f"neuron-w8: {self.prefix}.{self.suffix} has {int(bad.sum())} non-finite or non-positive scale(s) (unloaded or corrupt)")
+        if codes.device.type == "cpu":
+            use, why = cpu_vllm_fp8_linear.decide(n, k, self.col_tile, layer.orig_dtype, scale,
+                                                  bool(getattr(layer, "_cpu_skip_gemm_dispatch", False)))
+            if use:
+                self._keep_for_vllm_fp8(layer, scale, why)
+                return
+        else:
+            why = "dequantised to the model dtype"
         dense = torch.empty(n, k, dtype=layer.orig_dtype)
         rows = max(1, (1 << 24) // max(k, 1))  # bound the fp32 temporary to ~64 MB
         for r0 in range(0, n, rows):
@@ -146,8 +171,18 @@ class NeuronW8LinearMethod(LinearMethodBase):
         layer._parameters.pop(self.suffix, None)
         layer.weight = torch.nn.Parameter(dense, requires_grad=False)
         layer.neuron_w8_dequantized = True
+        self.summary.layer_processed("dequant", why, self.prefix, dense.numel() * dense.element_size())
         if self.hand_over:
             self._hand_over(layer)
+
+    def _keep_for_vllm_fp8(self, layer, scale: torch.Tensor, why: str) -> None:
+        """The FP8 bytes prepacked for vLLM's kernel (replacing them: one resident copy) and its scale grid."""
+        packed, grid, tile = cpu_vllm_fp8_linear.prepack(layer.weight.data, scale)
+        layer._parameters.pop(self.suffix, None)
+        layer.weight = torch.nn.Parameter(packed, requires_grad=False)
+        layer.neuron_w8_scale_grid = torch.nn.Parameter(grid, requires_grad=False)
+        layer.neuron_w8_vllm_fp8_tile = tile
+        self.summary.layer_processed("vllm-fp8", why, self.prefix, packed.numel() * packed.element_size())
 
     def _hand_over(self, layer) -> None:
         """From here on the layer *is* an unquantised layer: let vLLM's own method serve it (its platform GEMM
@@ -159,6 +194,8 @@ class NeuronW8LinearMethod(LinearMethodBase):
         method.process_weights_after_loading(layer)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.neuron_w8_vllm_fp8_tile:
+            return cpu_vllm_fp8_linear.forward(x, layer.weight, layer.neuron_w8_scale_grid, layer.neuron_w8_vllm_fp8_tile, bias)
         weight = layer.weight
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)

@@ -60,3 +60,36 @@ class MoELoadSummary:
             f"passed on {int(acc['checked_experts'])} experts" if acc["checked_experts"] else "off",
             acc["seconds"], wall,
         )
+
+
+@dataclass
+class LinearLoadSummary:
+    """How a model's non-expert linear layers are served (one per model, shared by its linear methods).
+
+    Each layer reports its creation and, once loaded, its path: ``"vllm-fp8"`` (1 byte resident, vLLM's FP8 kernel),
+    ``"dequant"`` (an exact copy in the model dtype) or ``"as-loaded"`` (not FP8 in the checkpoint). Every distinct
+    reason is logged once, with the first layer it applied to; when the last created layer is in, one line sums up.
+    """
+
+    layers_created: int = 0
+    layers_processed: int = 0
+    paths: dict[str, list[int]] = field(default_factory=dict)  # path -> [layers, resident weight bytes]
+    reasons: set[str] = field(default_factory=set)
+
+    def layer_created(self) -> None:
+        self.layers_created += 1
+
+    def layer_processed(self, path: str, why: str, prefix: str, weight_bytes: int) -> None:
+        if why not in self.reasons:
+            self.reasons.add(why)
+            logger.info("neuron-w8: non-expert linear layers on CPU: %s (first layer: %s)", why, prefix)
+        count = self.paths.setdefault(path, [0, 0])
+        count[0] += 1
+        count[1] += weight_bytes
+        self.layers_processed += 1
+        if self.layers_processed != self.layers_created:
+            return
+        names = {"vllm-fp8": "on vLLM's FP8 kernel (1 byte per weight)", "dequant": "dequantised to the model dtype",
+                 "as-loaded": "kept as loaded (not FP8 in the checkpoint)"}
+        parts = [f"{n} {names[p]}: {b / 1e6:.2f} MB" for p, (n, b) in sorted(self.paths.items())]
+        logger.info("neuron-w8: processed %d non-expert linear layers: %s", self.layers_processed, "; ".join(parts))

@@ -37,7 +37,7 @@ from vllm_moe_w8.vllm_glue.checkpoint_format import (
     parse_checkpoint_format,
     validate_local_checkpoint,
 )
-from vllm_moe_w8.vllm_glue.load_summary import MoELoadSummary
+from vllm_moe_w8.vllm_glue.load_summary import LinearLoadSummary, MoELoadSummary
 from vllm_moe_w8.vllm_glue.settings import AUTO_ENV, auto_enabled, runtime_settings
 
 logger = init_logger("vllm.neuron_w8")
@@ -53,6 +53,7 @@ class NeuronW8Config(QuantizationConfig):
         self.ignored: list[str] = list(checkpoint_format.ignored)
         # Load bookkeeping shared by every MoE layer of this model (first-layer log line, final summary).
         self.load_summary = MoELoadSummary()
+        self.linear_summary = LinearLoadSummary()
 
     # ---- QuantizationConfig interface -------------------------------------------------------
     @classmethod
@@ -118,7 +119,7 @@ class NeuronW8Config(QuantizationConfig):
                 return UnquantizedLinearMethod()
             from vllm_moe_w8.vllm_glue.linear_method import NeuronW8LinearMethod
 
-            return NeuronW8LinearMethod(self.format, prefix)
+            return NeuronW8LinearMethod(self.format, prefix, self.linear_summary)
         if isinstance(layer, RoutedExperts):
             if self.is_layer_skipped(prefix):
                 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
