@@ -5,7 +5,7 @@ later stored version DEVELOPING.md names) the glue touches, with the fork's sign
   PretrainedConfig / dict / path with a ``vision_config``; the fork's contract, see config.py);
 * ``Glm5NextRoutedExperts(text_config, world_size=None, ep_degree=None)``: ``num_routed_experts``,
   ``num_experts_per_tok``, ``tp_degree`` (the world size), ``ep_degree`` (divides the experts), ``expert_partition``,
-  ``num_local_experts``, ``swiglu_limit`` (refused when the config has none); declared (``None``) parameters
+  ``num_local_experts``, ``swiglu_limit`` (the config reader's default is 10.0); declared (``None``) parameters
   ``router_weight, router_bias, gate_proj_weight, up_proj_weight, down_proj_weight``; ``local_expert_indices``;
   ``route_tokens(hidden [B, S, H], gamma, text_config, eps=None) -> (logits, expert_index, expert_affinities [T, E])``
   = the fork's ``functional.moe.router.noaux_tc_rmsnorm_router_topk`` (top-8 only, bf16 router matmul, the expert
