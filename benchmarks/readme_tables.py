@@ -1,6 +1,6 @@
 """README tables generated from the recorded benchmark JSON (``benchmarks/results/*.json``).
 
-Every generated table sits in README.md between two markers::
+Every generated table sits in README.md (or a docs/*.md page) between two markers::
 
     <!-- table:NAME -->
     ...generated markdown...
@@ -22,6 +22,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+
+
+def pages() -> list[Path]:
+    """The pages whose marked tables are generated: README.md and every docs/*.md."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
 RESULTS = ROOT / "benchmarks" / "results"
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
@@ -61,17 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare only; exit 1 if README differs")
     args = parser.parse_args(argv)
-    text = README.read_text()
-    new, changed = update(text)
-    if args.check:
-        if changed:
-            print(f"README.md tables out of date with benchmarks/results: {', '.join(changed)}; "
-                  "run `.venv/bin/python -m benchmarks.readme_tables`", file=sys.stderr)
-            return 1
-        print(f"README.md tables up to date: {', '.join(table_names(text)) or '(none)'}")
-        return 0
-    README.write_text(new)
-    print(f"regenerated: {', '.join(changed) or '(nothing changed)'}")
+    stale = []
+    for page in pages():
+        text = page.read_text()
+        new, changed = update(text)
+        name = page.relative_to(ROOT)
+        if args.check:
+            if changed:
+                stale.append(f"{name}: {', '.join(changed)}")
+            else:
+                print(f"{name} tables up to date: {', '.join(table_names(text)) or '(none)'}")
+            continue
+        page.write_text(new)
+        print(f"{name} regenerated: {', '.join(changed) or '(nothing changed)'}")
+    if stale:
+        print(f"tables out of date with benchmarks/results: {'; '.join(stale)}; run `.venv/bin/python -m "
+              "benchmarks.readme_tables`", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -29,3 +29,10 @@ def test_check_fails_on_an_edited_table(monkeypatch):
     stand_in = "before\n<!-- table:stand-in -->\n| ms |\n|---|\n| 1.25 |\n<!-- /table:stand-in -->\nafter\n"
     assert readme_tables.update(stand_in) == (stand_in, [])
     assert readme_tables.update(stand_in.replace("1.25", "1.26"))[1] == ["stand-in"]
+
+
+def test_docs_pages_tables_match_recorded_json():
+    for page in readme_tables.pages()[1:]:
+        _, changed = readme_tables.update(page.read_text())
+        assert not changed, (f"{page.name} tables {changed} differ from benchmarks/results; "
+                             "run `.venv/bin/python -m benchmarks.readme_tables`")

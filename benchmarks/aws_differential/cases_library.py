@@ -152,7 +152,7 @@ def _cte_case(cid, *, fp8, T=256, H=1024, I=512, E=4, B=512, K=2):  # noqa: E741
 
 def _blockwise_mm_legacy():
     return Case("samples-blockwise-mm", SAMPLES_LEGACY, "contributed/neuron-team-kernels/blockwise_mm.py", "blockwise_mm",
-                lambda m, rng: ((), {}), lambda outs, args, kw: (False, 0.0, "not run"),
+                lambda m, rng: ((), {}), lambda outs, args, kw: (False, 0.0, "not run"), bound="n/a",
                 why="removed from nki-samples in 8370e11 ('Remove legacy kernels'); written for neuronxcc.nki, "
                     "'a compilation error' since NKI 0.4 (aws-neuron-sdk nki/migration/index.rst @81ce03ae)")
 
