@@ -93,26 +93,27 @@ def test_tiles_placed_by_address_alias_and_psum_starts_a_bank(_rule):
 
 
 @rules("MEM-SBUF-CAPACITY", "MEM-PSUM-CAPACITY")
-def test_capacity(_rule):
-    @jit
-    def fits(x):
-        whole = sb((128, 224 * 1024), nl.uint8)
-        banks = [sb((128, 512), buffer=nl.psum) for _ in range(8)]
-        assert whole.shape[1] == 224 * 1024 and len(banks) == 8
+def test_capacity_counts_tiles_over_their_live_ranges(_rule):
+    def make(sbuf_kib, banks, reuse=False):
+        @jit
+        def kernel(x):
+            big = sb((128, sbuf_kib * 1024), nl.uint8, value=0)
+            tiles = [sb((128, 512), buffer=nl.psum) for _ in range(banks)]
+            for t in tiles:
+                nisa.memset(dst=t, value=0.0)  # every bank in use before big's last use: all live together
+            if not reuse:
+                nisa.memset(dst=big, value=1)
+            more = sb((128, 32 * 1024), nl.uint8, value=0)  # after big's last use (reuse) or beside it
+            nisa.memset(dst=big if not reuse else more, value=2)
 
-    _, stats = run(fits, NONE)
+        return kernel
+
+    _, stats = run(make(192, 8), NONE)
     assert stats.peak_sbuf_bytes == 224 * 1024 and stats.peak_psum_banks == 8
-
-    @jit
-    def too_much_sbuf(x):
-        return sb((128, 200 * 1024), nl.uint8), sb((128, 25 * 1024), nl.uint8)
-
-    @jit
-    def too_much_psum(x):
-        return [sb((128, 512), buffer=nl.psum) for _ in range(9)]
-
-    refused("MEM-SBUF-CAPACITY", too_much_sbuf, NONE)
-    refused("MEM-PSUM-CAPACITY", too_much_psum, NONE)
+    _, reused = run(make(200, 8, reuse=True), NONE)  # 200 + 32 KiB fit one after the other, not together
+    assert reused.peak_sbuf_bytes == 200 * 1024
+    refused("MEM-SBUF-CAPACITY", make(200, 8), NONE, match="SBUF overflow")
+    refused("MEM-PSUM-CAPACITY", make(8, 9), NONE, match="PSUM overflow")
 
 
 @rules("MEM-UNWRITTEN")

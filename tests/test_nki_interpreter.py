@@ -191,8 +191,11 @@ def test_rejects_psum_over_eight_banks():
     @jit
     def kernel(a, b):
         tiles = [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum) for _ in range(8)]  # 8 x 2 KiB: full
-        nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.psum)
-        return tiles
+        extra = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.psum)
+        for t in tiles + [extra]:
+            nisa.memset(dst=t, value=0.0)  # all nine in use together
+        for t in tiles:
+            nisa.tensor_copy(dst=t, src=t)
 
     _expect(kernel, "PSUM overflow")
 
@@ -200,18 +203,21 @@ def test_rejects_psum_over_eight_banks():
 def test_rejects_sbuf_over_224_kib_per_partition_and_frees_dead_tiles():
     @jit
     def fits(a, b):
-        for _ in range(4):  # each 100 KiB tile dies when the name is rebound
+        for _ in range(4):  # each 100 KiB tile is dead after its last use: the compiler reuses its bytes
             t = nl.ndarray((128, 100 * 1024), dtype=nl.uint8, buffer=nl.sbuf)
+            nisa.memset(dst=t, value=0)
         return None
 
     _, stats = run(fits, NONE, NONE)
-    assert stats.peak_sbuf_bytes == 2 * 100 * 1024  # the new tile is allocated before the old one dies
+    assert stats.peak_sbuf_bytes == 100 * 1024
 
     @jit
     def overflows(a, b):
         keep = nl.ndarray((128, 200 * 1024), dtype=nl.uint8, buffer=nl.sbuf)
         more = nl.ndarray((128, 25 * 1024), dtype=nl.uint8, buffer=nl.sbuf)
-        return keep, more
+        nisa.memset(dst=keep, value=0)
+        nisa.memset(dst=more, value=0)
+        nisa.tensor_copy(dst=keep, src=keep)
 
     _expect(overflows, "SBUF overflow")
 

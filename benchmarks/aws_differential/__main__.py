@@ -13,10 +13,11 @@ from pathlib import Path
 from benchmarks.common import machine_record
 
 from . import case as case_mod
+from .cases_fork import CASES as FORK_CASES
 from .cases_library import CASES as LIBRARY_CASES
 from .cases_sdk import CASES as SDK_CASES
 
-CASES = SDK_CASES + LIBRARY_CASES
+CASES = SDK_CASES + LIBRARY_CASES + FORK_CASES
 
 
 def summary(records: list[dict]) -> dict:

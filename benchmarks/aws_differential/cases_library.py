@@ -127,7 +127,7 @@ def cte_inputs(module, rng, *, T, H, I, E, B, K, fp8):  # noqa: E741
     return kw
 
 
-def _cte_case(cid, *, fp8, T=256, H=1024, I=512, E=4, B=512, K=2):  # noqa: E741
+def _cte_case(cid, *, fp8, T=256, H=1024, I=512, E=4, B=512, K=2, legal=True, why=""):  # noqa: E741
     def make(module, rng):
         return (), cte_inputs(module, rng, T=T, H=H, I=I, E=E, B=B, K=K, fp8=fp8)
 
@@ -146,7 +146,7 @@ def _cte_case(cid, *, fp8, T=256, H=1024, I=512, E=4, B=512, K=2):  # noqa: E741
         return R.within(out, ref, R.moe_bound(mag, absout, K, BF16))
 
     return Case(cid, LIBRARY, CTE, "moe_cte", make, check, load="package:nkilib_src.nkilib.core.moe.moe_cte.moe_cte",
-                source_root=ROOT, grid=2, tags=("moe", "prefill", "shard_on_I", "fp8" if fp8 else "bf16"),
+                source_root=ROOT, grid=2, tags=("moe", "prefill", "shard_on_I", "fp8" if fp8 else "bf16"), legal=legal, why=why,
                 bound="bf16 intermediates: 2^-8 (4 sum|wd||h terms| + (k+1) sum|a y|)")
 
 
@@ -164,5 +164,9 @@ CASES = [
     _tkg_case("lib-moe-tkg-all-expert-fp8", all_expert=True, fp8=True, I=64, E=2),
     _cte_case("lib-moe-cte-shard-on-i-bf16", fp8=False),
     _cte_case("lib-moe-cte-shard-on-i-fp8", fp8=True),
+    _cte_case("lib-moe-cte-shard-on-i-top1", fp8=False, K=1, legal=False,
+              why="with top-1 routing (is_tensor_update_accumulating=False) bwmm_shard_on_I scales the block by a bfloat16 "
+                  "[P, 1] tile through tensor_scalar, whose operands 'must be float32' (nki/api/nki/isa/__init__.py "
+                  "@81ce03ae); nki-library's own tests run this kernel with top-k 4 and 8 only"),
     _blockwise_mm_legacy(),
 ]

@@ -6,9 +6,10 @@
   them as ``0xFF`` bytes (:mod:`.runtime`).
 * On-chip storage (SBUF/PSUM) has the partition dimension first, at most 128 partitions; a tile's logical layout is
   ``partition * row_bytes + byte in the partition``. Tiles the compiler places (``nl.ndarray`` without ``address``)
-  get storage of their own and count against capacity while alive (a tile dies with its last reference): SBUF
-  224 KiB per partition, PSUM 8 banks of 2 KiB, whole banks per tile. Tiles with an explicit ``address=(partition,
-  byte)`` are views of the program's physical SBUF / PSUM (:data:`ADDRESS` rules), so two of them at one address alias.
+  get storage of their own and count against capacity over their live range, from allocation to last access (the
+  compiler can reuse the space after; :meth:`Machine.check_capacity`, at the end of each program): SBUF 224 KiB per
+  partition, PSUM 8 banks of 2 KiB, whole banks per tile. Tiles with an explicit ``address=(partition, byte)`` are
+  views of the program's physical SBUF / PSUM (:data:`ADDRESS` rules), so two of them at one address alias.
 * HBM: ``shared_hbm`` tensors a kernel allocates are one tensor for every program of the launch (matched by
   allocation order), ``private_hbm`` / ``hbm`` ones belong to the program that allocated them (:data:`PRIVATE`).
 * PSUM storage carries a per-byte state since the tile was allocated (never written / written by another instruction /
@@ -82,12 +83,13 @@ class Storage:
     (``base + p * pitch``); ``row_bytes``: logical bytes per partition (on-chip) or the whole size (HBM)."""
 
     __slots__ = ("buffer", "bytes", "written", "mm", "base", "pitch", "row_bytes", "partitions", "name", "program",
-                 "banks", "live_bytes", "machine", "free_base", "__weakref__")
+                 "banks", "live_bytes", "machine", "free_base", "life")
 
     def __init__(self, buffer, nbytes_or_shape, name, machine=None, physical=None, base=0, pitch=0):
         self.buffer, self.name, self.machine = buffer, name, machine
         self.program = machine.program_id if machine is not None else None
         self.banks = self.live_bytes = 0
+        self.life = None  # [allocation tick, last access tick] of a compiler-placed tile
         if buffer in ONCHIP:
             partitions, row_bytes = nbytes_or_shape
             self.partitions, self.row_bytes = int(partitions), int(row_bytes)
@@ -105,11 +107,6 @@ class Storage:
     @property
     def onchip(self) -> bool:
         return self.buffer in ONCHIP
-
-    def __del__(self):
-        m = self.machine
-        if m is not None and (self.live_bytes or self.banks):
-            m.release(self.buffer, self.live_bytes, self.banks)
 
 
 class Launch:
@@ -138,37 +135,57 @@ class Machine:
         self.physical: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.manual_sbuf_end = 0  # highest byte per partition used by address-placed SBUF tiles
         self.reduce_regs = None  # ScalarE accumulators (activation reduce_cmd), 128 fp32 values once used
+        self.tick = 0  # accesses so far (the order live ranges are measured in)
+        self.lifetimes: list = []  # (buffer, bytes per partition | banks, [first, last] tick, name) per placed tile
         self.rng_state = None
 
     # --- compiler-placed tiles -----------------------------------------------------------------------------
     def allocate(self, s: Storage) -> None:
+        """A compiler-placed tile: it is live from its allocation to its last access (:meth:`check_capacity`)."""
+        self.tick += 1
         if s.buffer == "sbuf":
-            live = self.sbuf_bytes + s.row_bytes
-            SBUF_SIZE.check(live + self.manual_sbuf_end <= SBUF_BYTES_PER_PARTITION,
-                            f"SBUF overflow allocating {s.name!r}: {s.row_bytes} B/partition on top of {self.sbuf_bytes} B live "
-                            f"(+ {self.manual_sbuf_end} B placed by address) exceeds {SBUF_BYTES_PER_PARTITION} B per partition; "
-                            "tile smaller or free tiles earlier")
-            self.sbuf_bytes = live
+            SBUF_SIZE.check(s.row_bytes + self.manual_sbuf_end <= SBUF_BYTES_PER_PARTITION,
+                            f"SBUF overflow allocating {s.name!r}: {s.row_bytes} B/partition (+ {self.manual_sbuf_end} B placed "
+                            f"by address) exceeds {SBUF_BYTES_PER_PARTITION} B per partition")
             s.live_bytes = s.row_bytes
         elif s.buffer == "psum":
-            banks = math.ceil(s.row_bytes / PSUM_BANK_BYTES)
-            PSUM_SIZE.check(self.psum_banks + banks <= PSUM_BANKS,
-                            f"PSUM overflow allocating {s.name!r}: {banks} bank(s) of 2 KiB/partition on top of {self.psum_banks} "
-                            f"live exceeds the {PSUM_BANKS} banks (16 KiB) per partition")
-            self.psum_banks += banks
-            s.banks = banks
-        self._peaks()
+            s.banks = math.ceil(s.row_bytes / PSUM_BANK_BYTES)
+            PSUM_SIZE.check(s.banks <= PSUM_BANKS, f"PSUM overflow allocating {s.name!r}: {s.banks} banks of 2 KiB/partition")
+        s.life = [self.tick, self.tick]
+        self.lifetimes.append((s.buffer, s.live_bytes or s.banks, s.life, s.name))
 
-    def release(self, buffer: str, nbytes: int, banks: int) -> None:
-        if buffer == "sbuf":
-            self.sbuf_bytes -= nbytes
-        elif buffer == "psum":
-            self.psum_banks -= banks
+    def touch(self, s: Storage) -> None:
+        self.tick += 1
+        s.life[1] = self.tick
 
-    def _peaks(self) -> None:
-        st = self.stats
-        st.peak_sbuf_bytes = max(st.peak_sbuf_bytes, self.sbuf_bytes + self.manual_sbuf_end)
-        st.peak_psum_banks = max(st.peak_psum_banks, self.psum_banks)
+    def check_capacity(self) -> None:
+        """The compiler places a tile for its live range (allocation to last access; it can reuse the space after):
+        the tiles live at once may not exceed SBUF's 224 KiB (beside the bytes placed by address) or PSUM's 8 banks
+        per partition. Sets ``Stats.peak_sbuf_bytes`` / ``peak_psum_banks``."""
+        for buffer, limit, used, rule_ in (("sbuf", SBUF_BYTES_PER_PARTITION - self.manual_sbuf_end, self.manual_sbuf_end, SBUF_SIZE),
+                                           ("psum", PSUM_BANKS, 0, PSUM_SIZE)):
+            events = []
+            for buf, amount, (start, end), name in self.lifetimes:
+                if buf == buffer:
+                    events += [(start, 0, amount, name), (end, 1, -amount, name)]
+            live, peak, at, names = 0, 0, 0, {}
+            for tick, _order, amount, name in sorted(events):
+                live += amount
+                if amount > 0:
+                    names[name] = amount
+                else:
+                    names.pop(name, None)
+                if live > peak:
+                    peak, at = live, tick
+                    if live > limit:
+                        unit = "B per partition" if buffer == "sbuf" else "banks"
+                        raise rule_.error(f"{buffer.upper()} overflow: tiles live together need {live} {unit} (limit {limit}"
+                                          f"{' beside ' + str(used) + ' B placed by address' if used else ''}): "
+                                          f"{', '.join(sorted(names))[:300]}")
+            if buffer == "sbuf":
+                self.stats.peak_sbuf_bytes = max(self.stats.peak_sbuf_bytes, peak + self.manual_sbuf_end)
+            else:
+                self.stats.peak_psum_banks = max(self.stats.peak_psum_banks, peak)
 
     # --- address-placed tiles ----------------------------------------------------------------------------
     def place(self, buffer: str, partitions: int, row_bytes: int, address, name: str) -> Storage:
@@ -187,10 +204,6 @@ class Machine:
             self.physical[buffer] = (np.zeros(PMAX * pitch, dtype=np.uint8), np.zeros(PMAX * pitch, dtype=bool))
         if buffer == "sbuf":
             self.manual_sbuf_end = max(self.manual_sbuf_end, b0 + row_bytes)
-            SBUF_SIZE.check(self.manual_sbuf_end + self.sbuf_bytes <= SBUF_BYTES_PER_PARTITION,
-                            f"SBUF overflow placing {name!r}: bytes up to {self.manual_sbuf_end} placed by address plus "
-                            f"{self.sbuf_bytes} B of compiler-placed tiles exceed {SBUF_BYTES_PER_PARTITION} B per partition")
-            self._peaks()
         return Storage(buffer, (partitions, row_bytes), name, None, self.physical[buffer], p0 * pitch + b0, pitch)
 
 

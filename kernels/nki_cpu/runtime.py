@@ -158,6 +158,7 @@ def _launch(kernel, n: int, grid_ndim: int, args, kwargs):
             if shared.spmd is not None:
                 shared.spmd.start(pid)
             results[pid] = fn(**inputs)
+            programs[pid].check_capacity()
         except BaseException as exc:  # noqa: BLE001  (re-raised below, program order)
             errors[pid] = exc
         finally:

@@ -104,6 +104,8 @@ class Tensor:
 
     def _np(self, flat: np.ndarray, dtype, logical: bool = False, per_byte: bool = False) -> np.ndarray:
         s = self.storage
+        if s.life is not None:
+            s.machine.touch(s)
         shape, strides, off = list(self.shape), list(self.bstrides), self.boffset
         if s.onchip and not logical:
             p0, fb = divmod(off, s.row_bytes)
