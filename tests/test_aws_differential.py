@@ -4,10 +4,12 @@ one DEVELOPING.md publishes."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from benchmarks.aws_differential import case as C
 from benchmarks.aws_differential import loader
@@ -118,3 +120,20 @@ def test_the_pinned_list_is_the_one_developing_md_publishes():
             f"{c.id}: {c.path} is not named in DEVELOPING.md's row for {c.repo}"
         if not c.load.startswith("package:"):
             assert re.search(rf"`{re.escape(c.kernel)}`", row), f"{c.id}: kernel {c.kernel} missing from DEVELOPING.md"
+
+
+AWS_SOURCES = os.environ.get("VLLM_MOE_W8_AWS_SOURCES")  # the harness's local folder; unset: skipped (no AWS code here)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AWS_SOURCES, reason="set VLLM_MOE_W8_AWS_SOURCES to the harness's local folder of AWS sources")
+def test_the_fork_fused_kernel_executed_counts_what_its_restatement_counts(monkeypatch):
+    """bench_glm_kernels --fork-folder prices the fork's moe_fused_fp8_kernel executed; its restatement
+    (glm_dataflows.fused_fp8), used without the folder, must count the same (the executed one wins)."""
+    from benchmarks import bench_glm_kernels as G
+    from vllm_moe_w8.kernels.nki_cpu import glm_dataflows
+
+    monkeypatch.setattr(G, "FORK_FOLDER", [Path(AWS_SOURCES)])
+    for routed in ([1], [3, 1, 2], [8] * 9, [130, 5]):
+        restated = glm_dataflows.fused_fp8(routed, 4096, 2048, 2, True, [])
+        assert G.same_counters(G.executed_fused(routed, 4096, 2048, 2), restated)
