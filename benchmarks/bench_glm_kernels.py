@@ -23,7 +23,9 @@ Per call: the slowest of the LNC programs. Model outputs, not measurements.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
@@ -107,8 +109,38 @@ def fork_dataflow(shape: dict, tokens: int) -> str:
     return "fused_fp8"
 
 
+FORK_FOLDER: list = []  # [Path] when --fork-folder is given: the fused kernel is executed, not restated
+
+
+def same_counters(executed: list, restated: list) -> bool:
+    """Every counter equal, program by program (the peaks aside: a restatement allocates nothing)."""
+    fields = [f.name for f in dataclasses.fields(executed[0]) if not f.name.startswith("peak_")]
+    return len(executed) == len(restated) and all(getattr(e, f) == getattr(r, f) for e, r in zip(executed, restated)
+                                                  for f in fields)
+
+
+def executed_fused(routed: list[int], h: int, i: int, lnc: int) -> list:
+    """Per-program Stats of the fork's ``moe_fused_fp8_kernel`` itself (jinhuang12/vllm-neuron @625d6b89, loaded from
+    the local folder with only the NKI module paths mapped), one block of q = max(routed) rows per routed expert, the
+    tiles its launcher picks (``glm_dataflows.select_tiles``); zero operands (no counter depends on values)."""
+    import numpy as np
+
+    from benchmarks.aws_differential import loader
+    from benchmarks.aws_differential.cases_fork import FORK, FUSED, fused_inputs
+    from vllm_moe_w8.kernels.nki_cpu import launch as run_grid
+
+    q, tiles = max(routed), glm_dataflows.select_tiles(h, i, max(routed))
+    args, _ = fused_inputs(np.random.default_rng(0), T=max(q, 1), H=h, I=i, E=len(routed), q=q, values=False)
+    with loader.nki_mapped():
+        module = loader.load_file(loader.source_path(FORK_FOLDER[0], FORK[0], FORK[1], FUSED), "fork_moe_fused_fp8")
+        _, programs = run_grid(module.moe_fused_fp8_kernel, (lnc,), *args, BLOCK_M=tiles.m, BLOCK_N=tiles.n,
+                               BLOCK_K=tiles.k, lnc=lnc)
+    return programs
+
+
 def fork(shape: dict, tokens: int, topk_ids: torch.Tensor, scale_ops: bool = True, dataflow: str | None = None):
-    """(dataflow name, per-program Stats, per-program weight bytes) of the fork's kernel at this routing."""
+    """(dataflow name, per-program Stats, per-program weight bytes) of the fork's kernel at this routing; the fused
+    kernel executed when the fork's source folder is given (its restatement must then count the same)."""
     rows = rows_per_expert(topk_ids, shape["E"])
     weights: list = []
     dataflow = dataflow or fork_dataflow(shape, tokens)
@@ -118,7 +150,14 @@ def fork(shape: dict, tokens: int, topk_ids: torch.Tensor, scale_ops: bool = Tru
                                                      scale_ops, weights), weights
     if dataflow == "fused_fp8":
         routed = [r for r in rows if r > 0] or [1]
-        return "fused_fp8", glm_dataflows.fused_fp8(routed, shape["H"], shape["I"], shape["lnc"], scale_ops, weights), weights
+        restated = glm_dataflows.fused_fp8(routed, shape["H"], shape["I"], shape["lnc"], scale_ops, weights)
+        if FORK_FOLDER and scale_ops:
+            programs = executed_fused(routed, shape["H"], shape["I"], shape["lnc"])
+            if not same_counters(programs, restated):
+                raise AssertionError(f"the fork's executed fused kernel and glm_dataflows.fused_fp8 disagree at T={tokens}: "
+                                     "the executed one wins - fix or drop the restatement")
+            return "fused_fp8", programs, weights
+        return "fused_fp8", restated, weights
     return "glm5_selective", glm_dataflows.glm5_selective(rows, tokens, shape["H"], shape["I"], scale_ops, weights), weights
 
 
@@ -148,6 +187,7 @@ def case(label: str, shape: dict, tokens: int, kw: host.KernelWeights) -> dict:
     row["ours_split_inter"] = bool(bucket) and host_routed.split_inter(bucket, bucket, shape["lnc"], shape["I"])
     dataflow, programs, weights = fork(shape, tokens, topk_ids)
     row["fork_dataflow"] = dataflow
+    row["fork_source"] = "executed" if (FORK_FOLDER and dataflow == "fused_fp8") else "restated"
     row["fork_read_MB"] = sum(s.hbm_read_bytes for s in programs) / 1e6
     row["fork_weight_MB"] = sum(weights) / 1e6
     row["fork_dmas"] = max(s.dma_count for s in programs)
@@ -182,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="T in {1, 32}, no prefill; prints only")
+    ap.add_argument("--fork-folder", type=Path, help="local folder with the fork's moe_fused_fp8.py "
+                    "(benchmarks/aws_differential layout): execute it instead of its restatement")
     args = ap.parse_args(argv)
+    if args.fork_folder:
+        FORK_FOLDER.append(args.fork_folder)
     rows = run((1, 32), None) if args.quick else run()
     cols = ["shape", "T", "routed_local_experts", "ours_fitted_kernel", "ours_fitted_us", "ours_documented_us",
             "fork_fitted_us", "fork_documented_us", "fork/ours_fitted", "fork/ours_documented", "ours_fitted_read_MB",

@@ -290,8 +290,12 @@ def test_dma_copy_with_oob_skip_moves_only_in_range_rows():
     assert stats.indirect_dmas[("vector", 4)] == 1
     with pytest.raises(NkiValidationError, match="out of range"):
         run(scatter_write_kernel, base, col([4, 6, 0, 1]), values, skip=False)
-    with pytest.raises(NkiValidationError, match="twice in one DMA"):
-        run(scatter_write_kernel, base, col([4, 9, 4, 7]), values)
+    # two rows scattered to one row: the docs forbid repeated indices only for dma_compute (nki-library's moe_cte scatters
+    # every padding row of a block to the dummy row T); the interpreter lets the highest partition win
+    dup, _ = run(scatter_write_kernel, base, col([4, 9, 4, 7]), values)
+    want = base.copy()
+    want[4] = values[2]
+    assert np.array_equal(dup, want)
     kept, st_kept = run(scalar_skip_kernel, TABLE, np.array([[2]], np.int32), np.array([[8]], np.int32))
     assert np.array_equal(kept, TABLE[2:3])
     moved, st_moved = run(scalar_skip_kernel, TABLE, np.array([[2]], np.int32), np.array([[5]], np.int32))
@@ -309,8 +313,9 @@ def test_dma_copy_with_oob_skip_moves_only_in_range_rows():
         run(static_skip, TABLE)
 
 
-def test_a_never_written_skip_destination_stays_unreadable():
-    """A gather whose every row is skipped writes nothing: reading that SBUF tile afterwards is refused."""
+def test_a_never_written_skip_destination_stays_garbage():
+    """A gather whose rows are skipped writes nothing there: a DMA moves those never-written bytes as they are (garbage
+    on the device) and the kernel output returns them as 0xFF bytes (NaN)."""
     @jit
     def kernel(table, index):
         idx = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -323,8 +328,8 @@ def test_a_never_written_skip_destination_stays_unreadable():
         return out
 
     assert np.array_equal(run(kernel, TABLE, col([3, 1]))[0], TABLE[[3, 1]])
-    with pytest.raises(NkiValidationError, match="never-written"):
-        run(kernel, TABLE, col([8, 1]))
+    out, _ = run(kernel, TABLE, col([8, 1]))
+    assert np.isnan(out[0]).all() and np.array_equal(out[1], TABLE[1])
 
 
 @pytest.mark.parametrize("scenario", sorted(calibration.SCENARIOS))

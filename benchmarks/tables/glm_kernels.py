@@ -32,7 +32,8 @@ def render(results_dir: Path) -> str:
             f"{r['ours_fitted_kernel']} / {r['ours_documented_kernel']}"
         kernels += " (I split)" if r.get("ours_split_inter") else ""
         rows.append([r["shape"], f"{r['T']:,}", f"{r['routed_local_experts']} ({r['routed_weight_MB']:.0f})", kernels,
-                     _us(r, "ours", "fitted"), _us(r, "ours", "documented"), FORK[r["fork_dataflow"]],
+                     _us(r, "ours", "fitted"), _us(r, "ours", "documented"),
+                     FORK[r["fork_dataflow"]] + (", executed" if r.get("fork_source") == "executed" else ""),
                      _us(r, "fork", "fitted"), _us(r, "fork", "documented"),
                      f"{r['fork/ours_fitted']:.2f}x / {r['fork/ours_documented']:.2f}x",
                      f"{r['ours_fitted_read_MB']:.0f} / {r['fork_read_MB']:.0f}"])

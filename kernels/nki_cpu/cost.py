@@ -9,7 +9,10 @@ beside the published figures they reproduce. The rules:
   ``hbm_s`` is the plain HBM time (bytes at one physical core's share of 2.9 TB/s, runs shorter than 512 B
   charged as 512 B) - the roofline, never above ``dma_s`` for the kernels here.
 * **GpSimdE** (``gpsimd_s``): its own instructions plus the software descriptor generation of every DMA
-  (``dge_s``): kernel-issued DMAs have their descriptors written by GpSimd.
+  (``dge_s``): kernel-issued DMAs have their descriptors written by GpSimd - except those issued with
+  ``dge_mode=hwdge`` (``Stats.hwdge_dmas``), whose descriptors the hardware DGE writes ("Sync Engine or Scalar Engine
+  sequencers invoke DGE hardware block to generate DMA descriptors", aws-neuron-sdk @81ce03ae
+  ``nki/api/nki/isa/__init__.py``).
 * **TensorE** at 2.4 GHz streams one moving column per cycle (bf16/fp8; fp32 takes 4 passes) plus a fixed
   cost per matmul/transpose (issue, stationary load, PE-array fill and drain).
 * **VectorE / ScalarE / GpSimdE**: free elements per partition (2x for scalar_tensor_tensor), at least the
@@ -138,7 +141,7 @@ def instruction_cycles(engine: str, op: str, free: int, c: cal.Constants = cal.C
     c = constants_of(c)
     if op == "scalar_tensor_tensor":
         work = 2 * free
-    elif op == "tensor_tensor" and engine == "vector":
+    elif op in ("tensor_tensor", "tensor_tensor_scan") and engine == "vector":
         work = c.vector_two_input_factor * free
     else:
         work = free
@@ -158,7 +161,7 @@ def estimate(stats: Stats, c: "cal.Constants | cal.Scenario" = cal.FITTED) -> Es
     """Modelled NeuronCore-v3 time of one kernel run under a scenario (see the module docstring for the rules)."""
     name = c.name if isinstance(c, cal.Scenario) else "custom"
     c = constants_of(c)
-    dge = stats.dma_count * c.dge_per_dma_s + cost_dynamic.descriptor_seconds(stats, c)
+    dge = (stats.dma_count - stats.hwdge_dmas) * c.dge_per_dma_s + cost_dynamic.descriptor_seconds(stats, c)
     return Estimate(
         hbm_s=hbm_seconds(stats),
         tensor_s=tensor_cycles(stats, c) / TENSOR_HZ,

@@ -131,6 +131,12 @@ def select_tiles(hidden: int, inter: int, rows: int) -> Tiles:
     return Tiles(m, n, k)
 
 
+def _panel_run(tiles: int, nh: int) -> int:
+    """Contiguous bytes of one packed panel load of ``tiles`` 128-column FP8 tiles: the 128 rows of a panel are
+    ``nh`` tiles long, so a load of all of them is one run."""
+    return P * tiles * P if tiles == nh else tiles * P
+
+
 def _fused_block(pr: Dynamic, q: int, h: int, i: int, tiles: Tiles, scale_ops: bool = True) -> None:
     nh, ni = h // P, i // P
     panels = 3 * ni
@@ -142,19 +148,19 @@ def _fused_block(pr: Dynamic, q: int, h: int, i: int, tiles: Tiles, scale_ops: b
         m = min(tiles.m, q - m0)
         for t0 in range(0, m, P):
             r = min(P, m - t0)
-            pr.dma(r * 4, 4)  # row ids
+            pr.dma(r * 4, r * 4)  # row ids (contiguous)
             pr.op("vector", "tensor_scalar", r, 1, count=2)
-            pr.op("vector", "tensor_tensor", r, 1)
+            pr.op("gpsimd", "tensor_tensor", r, 1)  # int32 add: GpSimdE
             pr.dma_indirect(r * h * 2, h * 2, "vector", r)  # the rows, bf16
             pr.transpose(r, P, BF16, count=nh)
             pr.op("vector", "tensor_copy", P, r, count=nh)
             pr.dma(r * 4, 4)  # expert id per row
             pr.op("vector", "tensor_scalar", r, 1)
-            pr.op("vector", "tensor_tensor", r, 1)
+            pr.op("gpsimd", "tensor_tensor", r, 1)
             pr.dma_indirect(r * 4, 4, "vector", r)  # affinities
         k_groups = [min(kstep, nh - k0) for k0 in range(0, nh, kstep)]
         for nk in k_groups:  # gate/up: one DMA per panel and K group
-            pr.weights(P * nk * P, nk * P, count=2 * ni, kind="scalar")
+            pr.weights(P * nk * P, _panel_run(nk, nh), count=2 * ni, kind="scalar")
         pr.matmul(P, m, BF16, BF16, count=2 * ni * nh)
         if scale_ops:
             pr.op("vector", "tensor_scalar", P, m, count=2 * ni)
@@ -167,7 +173,7 @@ def _fused_block(pr: Dynamic, q: int, h: int, i: int, tiles: Tiles, scale_ops: b
         pr.op("vector", "tensor_copy", P, m, count=ni)
         for n0 in range(0, nh, nstep):  # down: one DMA per I-block and N group
             nn = min(nstep, nh - n0)
-            pr.weights(P * nn * P, nn * P, count=ni, kind="scalar")
+            pr.weights(P * nn * P, _panel_run(nn, nh), count=ni, kind="scalar")
         pr.matmul(P, m, BF16, BF16, count=ni * nh)
         if scale_ops:
             pr.op("vector", "tensor_scalar", P, m, count=nh)
@@ -179,7 +185,7 @@ def _fused_block(pr: Dynamic, q: int, h: int, i: int, tiles: Tiles, scale_ops: b
             pr.transpose(P, r, FP32, count=nh)
             pr.op("vector", "tensor_copy", r, P, count=nh)
             pr.op("vector", "tensor_scalar", r, h)
-            pr.dma(r * h * 4, h * 4, write=True)
+            pr.dma(r * h * 4, r * h * 4, write=True)  # the block's rows are contiguous in the output
 
 
 def fused_fp8(rows_per_block: list[int], h: int, i: int, programs: int = 2, scale_ops: bool = True,
@@ -191,7 +197,7 @@ def fused_fp8(rows_per_block: list[int], h: int, i: int, programs: int = 2, scal
     out = []
     for prog in range(programs):
         pr = Dynamic()
-        pr.dma(P * 3 * 4, 3 * 4)  # SwiGLU bounds
+        pr.dma(P * 3 * 4, P * 3 * 4)  # SwiGLU bounds (one contiguous [128, 3] fp32 run)
         for _ in range(prog, len(rows_per_block), programs):
             _fused_block(pr, q, h, i, tiles, scale_ops)
         out.append(pr.stats)

@@ -1,34 +1,52 @@
-"""Memory of one NeuronCore-v3 as the interpreter models it: tensors, allocations, capacity, counters.
+"""Memory of one NeuronCore-v3 program as the interpreter models it: storages, capacity, counters, the current program.
 
-* A :class:`Tensor` is a numpy view plus a same-shaped ``written`` mask; reading any element that was
-  never written raises (uninitialised SBUF/PSUM/HBM is garbage on hardware).
-* On-chip tiles (``sbuf``/``psum``) have the partition dimension first, at most 128. Capacity counts the
-  bytes per partition of every *live* tile (a tile dies when the kernel drops its last reference, as a
-  Python name rebound on the next loop iteration does): SBUF 224 KiB per partition; PSUM 8 banks of
-  2 KiB per partition, each tile occupying whole banks. The real compiler may double-buffer loop tiles,
-  so kernels should leave headroom; :class:`Stats` records the peaks.
-* PSUM locations carry an "initialised by a matmul" mask so ``accumulate=True`` can be checked.
+* A :class:`Storage` is the bytes behind tensors (:mod:`.tensor` builds the views) with a per-byte ``written`` mask:
+  never-written bytes are garbage on the device; an engine computing on them reads AWS's simulator sentinels (NaN /
+  4, counted in ``Stats.unwritten_reads``), DMA moves them as they are (the mask travels), and a kernel output returns
+  them as ``0xFF`` bytes (:mod:`.runtime`).
+* On-chip storage (SBUF/PSUM) has the partition dimension first, at most 128 partitions; a tile's logical layout is
+  ``partition * row_bytes + byte in the partition``. Tiles the compiler places (``nl.ndarray`` without ``address``)
+  get storage of their own and count against capacity over their live range, from allocation to last access (the
+  compiler can reuse the space after; :meth:`Machine.check_capacity`, at the end of each program): SBUF 224 KiB per
+  partition, PSUM 8 banks of 2 KiB, whole banks per tile. Tiles with an explicit ``address=(partition, byte)`` are
+  views of the program's physical SBUF / PSUM (:data:`ADDRESS` rules), so two of them at one address alias.
+* HBM: ``shared_hbm`` tensors a kernel allocates are one tensor for every program of the launch (matched by
+  allocation order), ``private_hbm`` / ``hbm`` ones belong to the program that allocated them (:data:`PRIVATE`).
+* PSUM storage carries a per-byte state since the tile was allocated (never written / written by another instruction /
+  by a matmul) for ``nc_matmul``'s accumulate rules.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import dtypes as dt
+from .rules import LANG, MIGRATION, TRN2, NkiValidationError, rule
 
 PMAX = 128  # partitions
 SBUF_BYTES_PER_PARTITION = 224 * 1024
 PSUM_BANKS = 8
 PSUM_BANK_BYTES = 2 * 1024
-BUFFERS = ("sbuf", "psum", "hbm")
+PSUM_BYTES_PER_PARTITION = PSUM_BANKS * PSUM_BANK_BYTES
+ONCHIP = ("sbuf", "psum")
+HBM = ("shared_hbm", "private_hbm")
+BUFFERS = ONCHIP + HBM
 
-
-class NkiValidationError(Exception):
-    """A kernel did something Trn2 (or the NKI compiler) does not allow."""
+PRIVATE = rule("MEM-PRIVATE-HBM", LANG, "private_hbm: HBM - Only visible to each individual kernel instance in the SPMD grid",
+               "a private_hbm / hbm tensor belongs to the program that allocated it; another program cannot see it, "
+               "and a grid of more than one program cannot return one as its output")
+ADDRESS = rule("MEM-ADDRESS", MIGRATION, "The allocation for PSUM tensors must start at the beginning of each bank",
+               "nl.ndarray(address=(partition, byte)) places the tile in the program's physical SBUF/PSUM (tiles at one "
+               "address alias); a PSUM address must start a 2 KiB bank, and the tile must fit its partitions and bytes")
+SBUF_SIZE = rule("MEM-SBUF-CAPACITY", TRN2, "NeuronCore-v3 SBUF capacity is **28MiB** (or, 128 partitions of 224KiB)",
+                 "live compiler-placed SBUF tiles plus the bytes placed by address may not exceed 224 KiB per partition")
+PSUM_SIZE = rule("MEM-PSUM-CAPACITY", MIGRATION, "Each partition is further divided into 8 PSUM banks, with each bank holding "
+                 "up to 2KB worth of values", "a compiler-placed PSUM tile takes whole 2 KiB banks; at most 8 are live")
 
 
 @dataclass
@@ -49,6 +67,8 @@ class Stats:
     register_loads: int = 0
     dynamic_loops: int = 0
     dynamic_iterations: int = 0
+    hwdge_dmas: int = 0  # DMAs whose descriptors the hardware DGE writes (dge_mode=hwdge): no GpSimd time
+    unwritten_reads: int = 0  # never-written elements an instruction computed on (garbage on the device)
 
     @property
     def matmul_count(self) -> int:
@@ -58,209 +78,193 @@ class Stats:
         return sum(p * f * n for (e, _op, p, f), n in self.engine_ops.items() if e == engine)
 
 
-class _Allocation:
-    """One on-chip tile's memory (freed when the last tensor viewing it dies)."""
+class Storage:
+    """The bytes of one tensor allocation. ``base`` and ``pitch``: where logical partition p starts in ``bytes``
+    (``base + p * pitch``); ``row_bytes``: logical bytes per partition (on-chip) or the whole size (HBM)."""
 
-    def __init__(self, machine: "Machine", buffer: str, shape, dtype: dt.Dtype, name: str):
-        self.buffer = buffer
-        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if len(shape) > 1 else dtype.itemsize
-        self.banks = math.ceil(self.row_bytes / PSUM_BANK_BYTES) if buffer == "psum" else 0
-        self.base_ptr = 0
-        self.machine = machine
-        machine.allocate(self, name)
+    __slots__ = ("buffer", "bytes", "written", "mm", "base", "pitch", "row_bytes", "partitions", "name", "program",
+                 "banks", "live_bytes", "machine", "free_base", "life")
 
-    def __del__(self):
-        self.machine.release(self.buffer, self.row_bytes, self.banks)
+    def __init__(self, buffer, nbytes_or_shape, name, machine=None, physical=None, base=0, pitch=0):
+        self.buffer, self.name, self.machine = buffer, name, machine
+        self.program = machine.program_id if machine is not None else None
+        self.banks = self.live_bytes = 0
+        self.life = None  # [allocation tick, last access tick] of a compiler-placed tile
+        if buffer in ONCHIP:
+            partitions, row_bytes = nbytes_or_shape
+            self.partitions, self.row_bytes = int(partitions), int(row_bytes)
+        else:
+            self.partitions, self.row_bytes = 1, int(nbytes_or_shape)
+        if physical is None:
+            self.bytes = np.zeros(self.partitions * self.row_bytes, dtype=np.uint8)
+            self.written = np.zeros(self.bytes.size, dtype=bool)
+            self.base, self.pitch, self.free_base = 0, self.row_bytes, 0
+        else:  # a view of the program's physical SBUF / PSUM (explicit address)
+            self.bytes, self.written = physical
+            self.base, self.pitch, self.free_base = int(base), int(pitch), int(base) % int(pitch)
+        self.mm = np.zeros(self.partitions * self.row_bytes, dtype=np.uint8) if buffer == "psum" else None
+
+    @property
+    def onchip(self) -> bool:
+        return self.buffer in ONCHIP
+
+
+class Launch:
+    """State shared by the programs of one launch: the shared HBM tensors (by allocation order)."""
+
+    def __init__(self, n: int):
+        self.num_programs = n
+        self.grid_ndim = 1  # 0 when the kernel was called without a grid (nl.program_ndim)
+        self.shared_hbm: list = []
+        self.lock = threading.Lock()
+        self.spmd = None  # runtime.Spmd for n > 1
 
 
 class Machine:
-    """Live allocation totals and the counters of the current run."""
+    """One program (logical core) of a launch: its counters, live on-chip capacity, physical SBUF/PSUM for tiles
+    placed by address, ScalarE's accumulator registers and its private HBM."""
 
-    def __init__(self, program_id: int = 0, num_programs: int = 1, shared_hbm: list | None = None):
+    def __init__(self, program_id: int = 0, num_programs: int = 1, launch: Launch | None = None):
         self.stats = Stats()
         self.sbuf_bytes = 0
         self.psum_banks = 0
-        # SPMD launch (grid [n]): each program (logical core) has its own SBUF/PSUM and counters; HBM tensors
-        # the kernel allocates are shared, matched by allocation order across the programs of one launch.
         self.program_id = program_id
         self.num_programs = num_programs
-        self.shared_hbm = [] if shared_hbm is None else shared_hbm
+        self.launch = launch or Launch(num_programs)
         self.hbm_allocations = 0
+        self.physical: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.manual_sbuf_end = 0  # highest byte per partition used by address-placed SBUF tiles
+        self.reduce_regs = None  # ScalarE accumulators (activation reduce_cmd), 128 fp32 values once used
+        self.tick = 0  # accesses so far (the order live ranges are measured in)
+        self.lifetimes: list = []  # (buffer, bytes per partition | banks, [first, last] tick, name) per placed tile
+        self.rng_state = None
 
-    def allocate(self, alloc: _Allocation, name: str) -> None:
-        if alloc.buffer == "sbuf":
-            if self.sbuf_bytes + alloc.row_bytes > SBUF_BYTES_PER_PARTITION:
-                raise NkiValidationError(
-                    f"SBUF overflow allocating {name!r}: {alloc.row_bytes} B/partition on top of {self.sbuf_bytes} B live "
-                    f"exceeds {SBUF_BYTES_PER_PARTITION} B (224 KiB) per partition; tile smaller or free tiles earlier"
-                )
-            self.sbuf_bytes += alloc.row_bytes
-            self.stats.peak_sbuf_bytes = max(self.stats.peak_sbuf_bytes, self.sbuf_bytes)
-        elif alloc.buffer == "psum":
-            if self.psum_banks + alloc.banks > PSUM_BANKS:
-                raise NkiValidationError(
-                    f"PSUM overflow allocating {name!r}: {alloc.banks} bank(s) of 2 KiB/partition on top of {self.psum_banks} live "
-                    f"exceeds the {PSUM_BANKS} banks (16 KiB) per partition"
-                )
-            self.psum_banks += alloc.banks
-            self.stats.peak_psum_banks = max(self.stats.peak_psum_banks, self.psum_banks)
+    # --- compiler-placed tiles -----------------------------------------------------------------------------
+    def allocate(self, s: Storage) -> None:
+        """A compiler-placed tile: it is live from its allocation to its last access (:meth:`check_capacity`)."""
+        self.tick += 1
+        if s.buffer == "sbuf":
+            SBUF_SIZE.check(s.row_bytes + self.manual_sbuf_end <= SBUF_BYTES_PER_PARTITION,
+                            f"SBUF overflow allocating {s.name!r}: {s.row_bytes} B/partition (+ {self.manual_sbuf_end} B placed "
+                            f"by address) exceeds {SBUF_BYTES_PER_PARTITION} B per partition")
+            s.live_bytes = s.row_bytes
+        elif s.buffer == "psum":
+            s.banks = math.ceil(s.row_bytes / PSUM_BANK_BYTES)
+            PSUM_SIZE.check(s.banks <= PSUM_BANKS, f"PSUM overflow allocating {s.name!r}: {s.banks} banks of 2 KiB/partition")
+        s.life = [self.tick, self.tick]
+        self.lifetimes.append((s.buffer, s.live_bytes or s.banks, s.life, s.name))
 
-    def release(self, buffer: str, row_bytes: int, banks: int) -> None:
+    def touch(self, s: Storage) -> None:
+        self.tick += 1
+        s.life[1] = self.tick
+
+    def check_capacity(self) -> None:
+        """The compiler places a tile for its live range (allocation to last access; it can reuse the space after):
+        the tiles live at once may not exceed SBUF's 224 KiB (beside the bytes placed by address) or PSUM's 8 banks
+        per partition. Sets ``Stats.peak_sbuf_bytes`` / ``peak_psum_banks``."""
+        for buffer, limit, used, rule_ in (("sbuf", SBUF_BYTES_PER_PARTITION - self.manual_sbuf_end, self.manual_sbuf_end, SBUF_SIZE),
+                                           ("psum", PSUM_BANKS, 0, PSUM_SIZE)):
+            events = []
+            for buf, amount, (start, end), name in self.lifetimes:
+                if buf == buffer:
+                    events += [(start, 0, amount, name), (end, 1, -amount, name)]
+            live, peak, at, names = 0, 0, 0, {}
+            for tick, _order, amount, name in sorted(events):
+                live += amount
+                if amount > 0:
+                    names[name] = amount
+                else:
+                    names.pop(name, None)
+                if live > peak:
+                    peak, at = live, tick
+                    if live > limit:
+                        unit = "B per partition" if buffer == "sbuf" else "banks"
+                        raise rule_.error(f"{buffer.upper()} overflow: tiles live together need {live} {unit} (limit {limit}"
+                                          f"{' beside ' + str(used) + ' B placed by address' if used else ''}): "
+                                          f"{', '.join(sorted(names))[:300]}")
+            if buffer == "sbuf":
+                self.stats.peak_sbuf_bytes = max(self.stats.peak_sbuf_bytes, peak + self.manual_sbuf_end)
+            else:
+                self.stats.peak_psum_banks = max(self.stats.peak_psum_banks, peak)
+
+    # --- address-placed tiles ----------------------------------------------------------------------------
+    def place(self, buffer: str, partitions: int, row_bytes: int, address, name: str) -> Storage:
+        try:
+            p0, b0 = (int(a) for a in address)
+        except (TypeError, ValueError):
+            raise ADDRESS.error(f"nl.ndarray {name!r}: address={address!r} must be (partition_offset, byte_offset)") from None
+        pitch = SBUF_BYTES_PER_PARTITION if buffer == "sbuf" else PSUM_BYTES_PER_PARTITION
+        ADDRESS.check(buffer in ONCHIP, f"nl.ndarray {name!r}: address= places on-chip tiles only (buffer {buffer})")
+        ADDRESS.check(0 <= p0 and p0 + partitions <= PMAX, f"nl.ndarray {name!r}: partitions {p0}..{p0 + partitions} outside 0..{PMAX}")
+        ADDRESS.check(0 <= b0 and b0 + row_bytes <= pitch,
+                      f"nl.ndarray {name!r}: bytes {b0}..{b0 + row_bytes} per partition outside the {pitch} B of {buffer}")
+        if buffer == "psum":
+            ADDRESS.check(b0 % PSUM_BANK_BYTES == 0, f"PSUM tile {name!r} at byte {b0}: it must start a 2 KiB bank")
+        if buffer not in self.physical:
+            self.physical[buffer] = (np.zeros(PMAX * pitch, dtype=np.uint8), np.zeros(PMAX * pitch, dtype=bool))
         if buffer == "sbuf":
-            self.sbuf_bytes -= row_bytes
-        elif buffer == "psum":
-            self.psum_banks -= banks
+            self.manual_sbuf_end = max(self.manual_sbuf_end, b0 + row_bytes)
+        return Storage(buffer, (partitions, row_bytes), name, None, self.physical[buffer], p0 * pitch + b0, pitch)
 
 
-_CURRENT: list[Machine] = []
+_LOCAL = threading.local()
 
 
 def current() -> Machine:
-    if not _CURRENT:
+    m = getattr(_LOCAL, "machine", None)
+    if m is None:
         raise NkiValidationError("NKI operations run only inside a kernel launched by nki_cpu.simulate / nki_cpu.run")
-    return _CURRENT[-1]
+    return m
 
 
-class Tensor:
-    """An NKI tensor: a view of HBM or of an on-chip tile (``.view(dtype)`` reinterprets bytes; ``.ap(...)``, the
-    explicit / indirect access pattern, is installed by :mod:`.dynamic`, which builds on this module)."""
-
-    __slots__ = ("data", "written", "mm_init", "dtype", "buffer", "alloc", "name")
-
-    def __init__(self, data, written, dtype: dt.Dtype, buffer: str, alloc=None, name: str = "tensor", mm_init=None):
-        self.data = data
-        self.written = written
-        self.mm_init = mm_init  # PSUM only: element last written by a matmul (accumulate=True allowed)
-        self.dtype = dtype
-        self.buffer = buffer
-        self.alloc = alloc
-        self.name = name
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.data.shape
-
-    @property
-    def ndim(self) -> int:
-        return self.data.ndim
-
-    def __repr__(self) -> str:
-        return f"Tensor({self.name!r}, {self.shape}, {self.dtype}, {self.buffer})"
-
-    def __getitem__(self, index) -> "Tensor":
-        if not isinstance(index, tuple):
-            index = (index,)
-        for i in index:
-            if not isinstance(i, (int, np.integer, slice)) and i is not Ellipsis:
-                raise NkiValidationError(f"indexing {self.name!r} with {type(i).__name__}: the interpreter supports ints and slices (static access patterns)")
-        _check_bounds(self, index)
-        if self.buffer != "hbm" and index and isinstance(index[0], (int, np.integer)):
-            index = (slice(int(index[0]), int(index[0]) + 1),) + index[1:]  # keep the partition dim of a tile
-        mm = self.mm_init[index] if self.mm_init is not None else None
-        return Tensor(self.data[index], self.written[index], self.dtype, self.buffer, self.alloc, self.name, mm)
-
-    def view(self, dtype: dt.Dtype) -> "Tensor":
-        """Reinterpret the bytes as ``dtype`` (same element size), as ``NkiTensor.view`` does."""
-        if dtype.itemsize != self.dtype.itemsize:
-            raise NkiValidationError(f"view of {self.name!r} from {self.dtype} to {dtype}: element sizes differ ({self.dtype.itemsize} vs {dtype.itemsize} B)")
-        return Tensor(self.data.view(dtype.np), self.written, dtype, self.buffer, self.alloc, self.name, self.mm_init)
-
-    def reshape(self, shape) -> "Tensor":
-        """Reshape a contiguous HBM tensor (a new access pattern over the same bytes)."""
-        shape = tuple(int(s) for s in shape)
-        if self.buffer != "hbm":
-            raise NkiValidationError(f"reshape of on-chip tile {self.name!r}: allocate the tile in the shape you need")
-        if not self.data.flags.c_contiguous:
-            raise NkiValidationError(f"reshape of non-contiguous HBM view of {self.name!r}")
-        if int(np.prod(shape)) != self.data.size:
-            raise NkiValidationError(f"reshape of {self.name!r} {self.shape} to {shape}: element counts differ")
-        return Tensor(self.data.reshape(shape), self.written.reshape(shape), self.dtype, self.buffer, self.alloc, self.name)
+def active() -> Machine | None:
+    """This thread's running program, if a kernel is running."""
+    return getattr(_LOCAL, "machine", None)
 
 
-def _check_bounds(t: Tensor, index) -> None:
-    dims = [i for i in index if i is not Ellipsis]
-    if len(dims) > t.ndim:
-        raise NkiValidationError(f"too many indices for {t.name!r} of shape {t.shape}")
-    for axis, i in enumerate(dims):
-        size = t.shape[axis]
-        if isinstance(i, slice):
-            start, stop = i.start or 0, size if i.stop is None else i.stop
-            if start < 0 or stop > size or start > stop:
-                raise NkiValidationError(f"slice {start}:{stop} out of bounds for axis {axis} (size {size}) of {t.name!r}")
-        elif not 0 <= int(i) < size:
-            raise NkiValidationError(f"index {int(i)} out of bounds for axis {axis} (size {size}) of {t.name!r}")
+def enter(m: Machine | None) -> Machine | None:
+    """Make ``m`` this thread's current program; returns the previous one."""
+    prev = getattr(_LOCAL, "machine", None)
+    _LOCAL.machine = m
+    return prev
 
 
-def new_tile(shape, dtype: dt.Dtype, buffer: str, name: str) -> Tensor:
-    shape = tuple(int(s) for s in shape)
-    if buffer not in BUFFERS:
-        raise NkiValidationError(f"unknown buffer {buffer!r} for {name!r}")
-    if any(s <= 0 for s in shape):
-        raise NkiValidationError(f"tensor {name!r} has a non-positive dimension: {shape}")
-    if buffer == "hbm":
-        return _shared_hbm(shape, dtype, name)
-    if len(shape) < 2:
-        raise NkiValidationError(f"on-chip tile {name!r} needs a partition dim and at least one free dim, got {shape}")
-    if shape[0] > PMAX:
-        raise NkiValidationError(f"partition dim of {name!r} is {shape[0]} > {PMAX}: the first dim of an on-chip tile is the partition dim")
-    machine = current()
-    alloc = _Allocation(machine, buffer, shape, dtype, name)
-    data = np.empty(shape, dtype=dtype.np)
-    alloc.base_ptr = data.ctypes.data
-    mm = np.zeros(shape, dtype=bool) if buffer == "psum" else None
-    return Tensor(data, np.zeros(shape, dtype=bool), dtype, buffer, alloc, name, mm)
-
-
-def _shared_hbm(shape, dtype: dt.Dtype, name: str) -> Tensor:
-    """A kernel-allocated HBM tensor; every program of a launch gets the same one (by allocation order)."""
+def storage_for(buffer: str, shape: tuple, dtype: dt.Dtype, name: str, address=None) -> Storage:
+    """Storage for ``nl.ndarray(shape, dtype, buffer, address=...)``."""
     m = current()
-    index = m.hbm_allocations
-    m.hbm_allocations += 1
-    if index < len(m.shared_hbm):
-        t = m.shared_hbm[index]
-        if t.shape != shape or t.dtype is not dtype:
-            raise NkiValidationError(
-                f"program {m.program_id} allocates HBM tensor #{index} {name!r} as {shape} {dtype}, but program 0 allocated "
-                f"{t.shape} {t.dtype}: the programs of one launch must allocate their shared outputs identically"
-            )
-        return t
-    t = Tensor(np.zeros(shape, dtype=dtype.np), np.zeros(shape, dtype=bool), dtype, "hbm", None, name)
-    m.shared_hbm.append(t)
-    return t
+    if buffer in ONCHIP:
+        partitions = shape[0]
+        row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        if address is not None:
+            return m.place(buffer, partitions, row, address, name)
+        s = Storage(buffer, (partitions, row), name, m)
+        m.allocate(s)
+        return s
+    if address is not None:
+        raise ADDRESS.error(f"nl.ndarray {name!r}: address= places on-chip tiles only, not {buffer}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if buffer == "private_hbm":
+        return Storage(buffer, nbytes, name, m)
+    launch = m.launch
+    with launch.lock:
+        index = m.hbm_allocations
+        m.hbm_allocations += 1
+        if index < len(launch.shared_hbm):
+            s, shp, dty = launch.shared_hbm[index]
+            if shp != shape or dty is not dtype:
+                raise NkiValidationError(
+                    f"program {m.program_id} allocates shared HBM tensor #{index} {name!r} as {shape} {dtype}, but another "
+                    f"program allocated {shp} {dty}: the programs of one launch must allocate their shared outputs identically")
+            return s
+        s = Storage(buffer, nbytes, name, None)
+        launch.shared_hbm.append((s, shape, dtype))
+        return s
 
 
-def hbm_input(array: np.ndarray, name: str) -> Tensor:
-    array = np.ascontiguousarray(array)
-    return Tensor(array, np.ones(array.shape, dtype=bool), dt.from_numpy(array.dtype), "hbm", None, name)
-
-
-def read(t: Tensor, what: str = "operand") -> np.ndarray:
-    """The tensor's values as float32, refusing never-written elements."""
-    if not t.written.all():
-        bad = np.argwhere(~t.written)[0]
-        raise NkiValidationError(
-            f"{what} reads never-written memory: {t.name!r} ({t.buffer}, shape {t.shape}) element {tuple(int(i) for i in bad)} "
-            "was not written before this read"
-        )
-    return dt.to_float32(t.data, t.dtype)
-
-
-def write(t: Tensor, values: np.ndarray, by_matmul: bool = False) -> None:
-    t.data[...] = dt.from_float32(values, t.dtype)
-    t.written[...] = True
-    if t.mm_init is not None:
-        t.mm_init[...] = by_matmul
-
-
-def hbm_run_bytes(t: Tensor) -> int:
-    """Bytes of the innermost contiguous run of an HBM access pattern (a DMA descriptor's length)."""
-    run = t.dtype.itemsize
-    expected = t.dtype.itemsize
-    for size, stride in zip(reversed(t.data.shape), reversed(t.data.strides)):
-        if size == 1:
-            continue
-        if stride != expected:
-            break
-        run *= size
-        expected *= size
-    return run
+def input_storage(array: np.ndarray, name: str) -> Storage:
+    """A kernel argument: shared HBM, every byte written."""
+    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    s = Storage("shared_hbm", raw.size, name, None)
+    s.bytes[...] = raw
+    s.written[...] = True
+    return s

@@ -168,35 +168,49 @@ KERNELS = {"bf16": bf16_compiled, "first_pow2": first_pow2, "coalesced_pow2": co
            "coalesced_output_block": coalesced_output_block}
 
 
+_PEAKS = ("peak_sbuf_bytes", "peak_psum_banks")
+
+
+def _fields() -> list[str]:
+    from dataclasses import fields
+
+    return [f.name for f in fields(Stats)]
+
+
 def combine(parts: list[tuple[int, Stats]]) -> Stats:
-    """sum of count * stats (counters and byte totals; peaks are the maximum)."""
+    """sum of count * stats over every counter of :class:`Stats` (peaks are the maximum)."""
     out = Stats()
     for n, s in parts:
-        out.hbm_read_bytes += n * s.hbm_read_bytes
-        out.hbm_write_bytes += n * s.hbm_write_bytes
-        out.dma_count += n * s.dma_count
-        for name in ("dma_runs", "matmuls", "transposes", "engine_ops"):
-            acc: Counter = getattr(out, name)
-            for key, v in getattr(s, name).items():
-                acc[key] += n * v
-        out.peak_sbuf_bytes = max(out.peak_sbuf_bytes, s.peak_sbuf_bytes)
-        out.peak_psum_banks = max(out.peak_psum_banks, s.peak_psum_banks)
+        for name in _fields():
+            value = getattr(s, name)
+            if name in _PEAKS:
+                setattr(out, name, max(getattr(out, name), value))
+            elif isinstance(value, Counter):
+                acc: Counter = getattr(out, name)
+                for key, v in value.items():
+                    acc[key] += n * v
+            else:
+                setattr(out, name, getattr(out, name) + n * value)
     return out
 
 
 def difference(a: Stats, b: Stats) -> Stats:
-    """a - b, refusing a negative counter (b must be a part of a)."""
-    out = Stats(hbm_read_bytes=a.hbm_read_bytes - b.hbm_read_bytes, hbm_write_bytes=a.hbm_write_bytes - b.hbm_write_bytes,
-                dma_count=a.dma_count - b.dma_count, peak_sbuf_bytes=a.peak_sbuf_bytes, peak_psum_banks=a.peak_psum_banks)
-    for name in ("dma_runs", "matmuls", "transposes", "engine_ops"):
-        acc: Counter = getattr(out, name)
+    """a - b over every counter, refusing a negative one (b must be a part of a)."""
+    out = Stats(peak_sbuf_bytes=a.peak_sbuf_bytes, peak_psum_banks=a.peak_psum_banks)
+    for name in _fields():
+        if name in _PEAKS:
+            continue
         left, right = getattr(a, name), getattr(b, name)
-        for key in set(left) | set(right):
-            v = left.get(key, 0) - right.get(key, 0)
-            if v < 0:
-                raise ValueError(f"Stats difference: {name}[{key}] would be negative ({v}); the subtrahend is not part of the run")
-            if v:
-                acc[key] = v
-    if min(out.dma_count, out.hbm_read_bytes, out.hbm_write_bytes) < 0:
-        raise ValueError("Stats difference: negative DMA totals; the subtrahend is not part of the run")
+        if isinstance(left, Counter):
+            acc: Counter = getattr(out, name)
+            for key in set(left) | set(right):
+                v = left.get(key, 0) - right.get(key, 0)
+                if v < 0:
+                    raise ValueError(f"Stats difference: {name}[{key}] would be negative ({v}); the subtrahend is not part of the run")
+                if v:
+                    acc[key] = v
+        else:
+            if left - right < 0:
+                raise ValueError(f"Stats difference: {name} would be negative; the subtrahend is not part of the run")
+            setattr(out, name, left - right)
     return out

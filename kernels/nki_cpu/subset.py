@@ -1,14 +1,18 @@
 """The Python subset a traced NKI kernel body may use, checked on the kernel's source before it runs.
 
-The interpreter executes any Python, but NKI's compiler traces a documented subset: plain arithmetic,
-``assert``, loops, conditionals, slices and calls. AWS's kernels (nki-library) and this project's follow it;
-shape contracts that need ``raise`` belong on the host (``kernels/host.py``). This module rejects, in the
-kernel function and in every function of the same module it calls by name (helpers are traced too):
+The interpreter executes any Python, but "the NKI compiler ... only supports a restricted subset of Python for
+meta-programming" (aws-neuron-sdk @81ce03ae ``nki/guides/nki_simulator.rst``), which the NKI Language Guide
+(``nki/get-started/nki-language-guide.rst``) lists: None, bools, 32-bit ints and floats, strings, tensors; tuples,
+lists, "Dictionaries with string-value keys", simple classes; ``if``, ``for``, ``while``; functions (inlined).
+This module rejects, in the kernel function and in every function of the same module it calls by name (helpers are
+traced too), what that list leaves out:
 
-* ``lambda`` expressions,
-* ``raise`` statements,
-* dictionaries: ``dict(...)``, ``{...}`` literals and dict comprehensions,
-* ``try`` blocks (exceptions do not exist in the traced program).
+* ``lambda`` expressions and nested function / class definitions (the guide passes module-level functions),
+* ``raise`` statements and ``try`` blocks (the traced program has no exceptions; shape contracts that need
+  ``raise`` belong on the host, ``kernels/host.py``),
+* dictionary keys that are not strings ("the keys must be string values"): a dict literal or comprehension with a
+  non-string constant key.
+Dictionaries with string keys (``{...}``, ``dict(...)``) are allowed.
 
 Helpers imported from a sibling module of the kernel's package (e.g. ``kernels/projections.py``) are traced too.
 """
@@ -20,13 +24,14 @@ import inspect
 import textwrap
 import types
 
-from .machine import NkiValidationError
+from .rules import GUIDE, rule
+
+SUBSET = rule("PY-SUBSET", GUIDE, "Dictionaries with string-value keys", "a kernel (and the helpers of its module and sibling "
+              "modules it calls) uses the Language Guide's Python: no lambda, nested def/class, raise, try; dict keys strings")
 
 _RULES = (
     (ast.Lambda, "a lambda"),
     (ast.Raise, "a raise statement (check shapes on the host, kernels/host.py)"),
-    (ast.Dict, "a dict literal"),
-    (ast.DictComp, "a dict comprehension"),
     (ast.Try, "a try block"),
 )
 
@@ -35,7 +40,7 @@ def _source_tree(fn: types.FunctionType) -> ast.AST:
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError) as exc:
-        raise NkiValidationError(
+        raise SUBSET.error(
             f"kernel {fn.__qualname__}: its source is unavailable ({exc}), so the traced-kernel subset cannot be checked; "
             "define kernels in a .py file"
         ) from None
@@ -46,8 +51,10 @@ def _violation(node: ast.AST) -> str | None:
     for kind, what in _RULES:
         if isinstance(node, kind):
             return what
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
-        return "a dict(...) call"
+    keys = node.keys if isinstance(node, ast.Dict) else [node.key] if isinstance(node, ast.DictComp) else []
+    for k in keys:
+        if isinstance(k, ast.Constant) and not isinstance(k.value, str):
+            return f"a dictionary key {k.value!r} that is not a string (NKI dictionaries take string keys)"
     return None
 
 
@@ -93,7 +100,7 @@ def check_traced_subset(fn: types.FunctionType) -> None:
                 line = first_line + getattr(node, "lineno", 1) - 1
                 where = f"{f.__code__.co_filename}:{line}"
                 via = "" if f is fn else f" (called from kernel {fn.__qualname__})"
-                raise NkiValidationError(
+                raise SUBSET.error(
                     f"{f.__qualname__}{via} uses {what} at {where}: NKI traces only a Python subset "
                     "(arithmetic, assert, loops, if, slices, calls); rewrite it without this construct"
                 )
