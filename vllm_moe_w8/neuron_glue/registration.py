@@ -192,8 +192,10 @@ def convert_model(model, vllm_config):
         prepare(model, blocks, arch)
     # the GLM models load their own FP8 non-expert tensors (bytes + scales): no dequantising hook for them
     model_load.wrap(model, arch, cfg, dtype=model_config.dtype, dequantise_non_experts=not bank)
+    shared = sorted({getattr(b, "w8_shared_why", "") for _, b in blocks} - {""})
     logger.info(
-        "neuron-w8 on Neuron: %s (vllm-neuron %s): %d MoE blocks use 1-byte experts (mode %s from %s, LNC %d)",
+        "neuron-w8 on Neuron: %s (vllm-neuron %s): %d MoE blocks use 1-byte experts (mode %s from %s, LNC %d)%s",
         arch, interfaces.vllm_neuron_version(), len(blocks), cfg.mode, cfg.mode_source, cfg.lnc,
+        f"; shared expert: {'; '.join(shared)}" if shared else "",
     )
     return model
