@@ -8,6 +8,7 @@ conversion), not by the plugin's codecs.
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -157,3 +158,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def ceil_div(a: int, b: int) -> int:
     return math.ceil(a / b)
+
+
+@contextmanager
+def plugin_log():
+    """The messages logged on ``vllm.neuron_w8`` at INFO and above meanwhile (as vLLM's logging shows them)."""
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("vllm.neuron_w8")
+    old = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)

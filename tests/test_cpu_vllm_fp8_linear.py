@@ -7,14 +7,12 @@ The reference is independent of both paths: float64 ``x @ W.T`` over the checkpo
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from _plugin_fixtures import quant_config_for, vllm_context  # noqa: E402
+from _plugin_fixtures import plugin_log, quant_config_for, vllm_context  # noqa: E402
 from test_plugin_linear import _load, _quant  # noqa: E402
 
 from vllm_moe_w8.vllm_glue import cpu_vllm_fp8 as vf  # noqa: E402
@@ -187,15 +185,8 @@ def test_forward_refuses_other_activation_dtypes():
 def test_summary_line_counts_every_path(tp, monkeypatch):
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.neuron_w8")
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
     monkeypatch.setenv(vl.ENV, "dequant")
-    try:
+    with plugin_log() as text:
         with vllm_context():
             qc = quant_config_for("block")
             a = ReplicatedLinear(256, 128, bias=False, quant_config=qc, params_dtype=DTYPE, prefix="x.a")
@@ -205,10 +196,6 @@ def test_summary_line_counts_every_path(tp, monkeypatch):
         for layer in (a, b):
             layer.quant_method.hand_over = False
             layer.quant_method.process_weights_after_loading(layer)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
-    text = [r.getMessage() for r in records]
     summary = [t for t in text if "processed 2 non-expert linear layers" in t]
     assert len(summary) == 1, text
     assert "1 dequantised to the model dtype: 0.07 MB" in summary[0] and "1 kept as loaded" in summary[0], summary[0]

@@ -7,7 +7,6 @@ conversion, ``_plugin_fixtures.dense_moe``), and the reassembled per-rank shards
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 
@@ -16,7 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _plugin_fixtures import PREFIX, dense_moe, load_layer, make_checkpoint, make_layer, quant_config_for, rel_err, routing  # noqa: E402
+from _plugin_fixtures import PREFIX, dense_moe, load_layer, make_checkpoint, make_layer, plugin_log, quant_config_for, rel_err, routing  # noqa: E402
 
 from vllm_moe_w8.codec import fp8  # noqa: E402
 from vllm_moe_w8.op import reference as moe_reference  # noqa: E402
@@ -234,22 +233,11 @@ def test_load_errors_name_the_tensor(ckpt):
 
 
 def test_load_logs_start_and_summary(ckpt):
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.neuron_w8")
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with plugin_log() as text:
         qc = quant_config_for("block")
         layers = [make_layer(qc, ckpt) for _ in range(2)]
         for layer in layers:
             load_layer(layer, ckpt)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
-    text = [r.getMessage() for r in records]
     start = [t for t in text if "loading routed experts" in t]
     summary = [t for t in text if "processed 2 MoE layers" in t]
     assert len(start) == 1 and "mode pow2" in start[0] and "compute path" in start[0] and "TP rank 0/1" in start[0] and "local experts 4 of 4" in start[0]
@@ -259,19 +247,9 @@ def test_load_logs_start_and_summary(ckpt):
 
 
 def _start_lines(make):
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.neuron_w8")
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with plugin_log() as text:
         made = make()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
-    return made, [r.getMessage() for r in records if "loading routed experts" in r.getMessage()]
+    return made, [t for t in text if "loading routed experts" in t]
 
 
 @pytest.mark.parametrize("kernel, amx, mode", [("auto", True, "pow2"), ("auto", False, "pow2"), ("native", True, "pow2"),

@@ -73,7 +73,7 @@ GLM5_MLA = {"q_lora_rank": 256, "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk
             "v_head_dim": 64, "index_n_heads": 4, "index_head_dim": 128, "index_topk": 64}
 
 
-def _mla_attention(p: Plan, pre: str, s: TinySizes, m: dict, indexer: bool) -> None:
+def mla_attention(p: Plan, pre: str, s: TinySizes, m: dict, indexer: bool) -> None:
     h, nh = s.hidden_size, s.num_attention_heads
     qk_head = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
     p.add(f"{pre}.q_a_proj.weight", (m["q_lora_rank"], h), "fp8")
@@ -106,7 +106,7 @@ def glm_moe_dsa(s: TinySizes, v: dict):
     for L in range(s.num_hidden_layers):
         pre = f"model.layers.{L}"
         layer_norms(p, pre, s.hidden_size)
-        _mla_attention(p, f"{pre}.self_attn", s, GLM5_MLA, indexer=True)
+        mla_attention(p, f"{pre}.self_attn", s, GLM5_MLA, indexer=True)
         if L < first_dense:
             p.mlp(f"{pre}.mlp", s.hidden_size, s.intermediate_size)
         else:

@@ -36,6 +36,7 @@ tree); the writer of the MoE layers' tensors is the tests' (``tests/_glm5next.py
 
 from __future__ import annotations
 
+from vllm_moe_w8.tiny_models.glm import mla_attention
 from vllm_moe_w8.tiny_models.layout import Plan, TinySizes, embed_and_head, layer_norms
 
 GLM5_FIRST_DENSE = 3  # GlmMoeDsaCheckpointContract.first_k_dense_replace
@@ -51,24 +52,6 @@ SIZES = {
 }
 
 
-def _mla(p: Plan, pre: str, s: TinySizes, m: dict, indexer: bool) -> None:
-    h, nh = s.hidden_size, s.num_attention_heads
-    p.add(f"{pre}.q_a_proj.weight", (m["q_lora_rank"], h), "fp8")
-    p.add(f"{pre}.q_a_layernorm.weight", (m["q_lora_rank"],), "norm")
-    p.add(f"{pre}.q_b_proj.weight", (nh * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"]), m["q_lora_rank"]), "fp8")
-    p.add(f"{pre}.kv_a_proj_with_mqa.weight", (m["kv_lora_rank"] + m["qk_rope_head_dim"], h), "fp8")
-    p.add(f"{pre}.kv_a_layernorm.weight", (m["kv_lora_rank"],), "norm")
-    p.add(f"{pre}.kv_b_proj.weight", (nh * (m["qk_nope_head_dim"] + m["v_head_dim"]), m["kv_lora_rank"]), "fp8")
-    p.add(f"{pre}.o_proj.weight", (h, nh * m["v_head_dim"]), "fp8")
-    if indexer:
-        ip = f"{pre}.indexer"
-        p.add(f"{ip}.wq_b.weight", (m["index_n_heads"] * m["index_head_dim"], m["q_lora_rank"]), "fp8")
-        p.add(f"{ip}.wk.weight", (m["index_head_dim"], h), "fp8")
-        p.add(f"{ip}.k_norm.weight", (m["index_head_dim"],), "norm")
-        p.add(f"{ip}.k_norm.bias", (m["index_head_dim"],), "bf16")
-        p.add(f"{ip}.weights_proj.weight", (m["index_n_heads"], h), "linear")
-
-
 def glm_moe_dsa(s: TinySizes, v: dict):
     """GLM-5 in the fork's layout (module docstring); the config keys the fork's ``GlmMoeDsaConfig`` reads."""
     if s.num_hidden_layers <= GLM5_FIRST_DENSE:
@@ -79,7 +62,7 @@ def glm_moe_dsa(s: TinySizes, v: dict):
     for layer in range(s.num_hidden_layers):
         pre = f"model.layers.{layer}"
         layer_norms(p, pre, s.hidden_size)
-        _mla(p, f"{pre}.self_attn", s, GLM5_MLA, indexer=layer in GLM5_INDEXER_LAYERS)
+        mla_attention(p, f"{pre}.self_attn", s, GLM5_MLA, indexer=layer in GLM5_INDEXER_LAYERS)
         if layer < GLM5_FIRST_DENSE:
             p.mlp(f"{pre}.mlp", s.hidden_size, s.intermediate_size)
         else:

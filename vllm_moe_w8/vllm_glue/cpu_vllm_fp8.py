@@ -37,25 +37,35 @@ BLOCK = (128, 128)
 KERNEL_NAME = "vLLM's FP8 W8A16 MoE kernel torch.ops._C.fused_experts_cpu"  # how the load log names this path
 
 
-def choice() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)}")
+def env_choice(env: str, choices: tuple[str, ...]) -> str:
+    """The value of ``env`` (default ``auto``), refused by name unless it is one of ``choices``."""
+    value = os.environ.get(env, "auto").strip().lower() or "auto"
+    if value not in choices:
+        raise ValueError(f"{env}={value!r}: expected one of {', '.join(choices)}")
     return value
+
+
+def choice() -> str:
+    return env_choice(ENV, CHOICES)
+
+
+def missing_kernel(*ops: str) -> str | None:
+    """Why this host / vLLM build cannot run vLLM's CPU kernels ``torch.ops._C.<ops>``, or None."""
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+    except Exception as exc:  # noqa: BLE001 -- no vLLM CPU kernels at all
+        return f"vLLM's CPU kernels cannot be imported ({type(exc).__name__})"
+    if not all(hasattr(torch.ops._C, op) for op in ops):
+        return f"this vLLM build has no {' / '.join(f'torch.ops._C.{op}' for op in ops)} (e.g. its AVX2 build)"
+    if not amx_host() and "avx512_bf16" not in cpu_flags():
+        # its paths without AMX use BF16 dot products; others end in "scalar path not implemented" (a process abort)
+        return "no AMX tiles and no avx512_bf16 (the CPUs vLLM's FP8 kernels have been measured on here have one of them)"
+    return None
 
 
 def unavailable_reason() -> str | None:
     """Why this vLLM build has no FP8 CPU MoE kernel, or None."""
-    try:
-        import vllm._custom_ops  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 -- no vLLM CPU kernels at all
-        return f"vLLM's CPU kernels cannot be imported ({type(exc).__name__})"
-    if not (hasattr(torch.ops._C, "fused_experts_cpu") and hasattr(torch.ops._C, "convert_weight_packed")):
-        return "this vLLM build has no torch.ops._C.fused_experts_cpu / convert_weight_packed (e.g. its AVX2 build)"
-    if not amx_host() and "avx512_bf16" not in cpu_flags():
-        # its paths without AMX use BF16 dot products; others end in "scalar path not implemented" (a process abort)
-        return "no AMX tiles and no avx512_bf16 (the CPUs vLLM's FP8 kernel has been measured on here have one of them)"
-    return None
+    return missing_kernel("fused_experts_cpu", "convert_weight_packed")
 
 
 def unfit_reason(block, code_format: str, inter: int, in_dtype: torch.dtype, swiglu_limit: float,

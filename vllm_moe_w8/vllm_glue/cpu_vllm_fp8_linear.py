@@ -26,8 +26,6 @@ BF16 GEMM over the exactly dequantised weight rounds the same way; both are meas
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vllm_moe_w8.vllm_glue import cpu_vllm_fp8
@@ -40,24 +38,18 @@ KERNEL_NAME = "vLLM's FP8 W8A16 linear kernel torch.ops._C.fp8_scaled_mm_cpu"
 
 
 def choice() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)}")
-    return value
+    return cpu_vllm_fp8.env_choice(ENV, CHOICES)
 
 
 def unavailable_reason() -> str | None:
     """Why this host / vLLM build cannot run the kernel, or None."""
-    try:
+    missing = cpu_vllm_fp8.missing_kernel("fp8_scaled_mm_cpu", "convert_weight_packed")
+    if missing is None:
         import vllm._custom_ops as ops
-    except Exception as exc:  # noqa: BLE001 -- no vLLM CPU kernels at all
-        return f"vLLM's CPU kernels cannot be imported ({type(exc).__name__})"
-    if not (getattr(ops, "_supports_cpu_fp8_w8a16", False) and hasattr(torch.ops._C, "fp8_scaled_mm_cpu")
-            and hasattr(torch.ops._C, "convert_weight_packed")):
-        return "this vLLM build has no torch.ops._C.fp8_scaled_mm_cpu / convert_weight_packed (e.g. its AVX2 build)"
-    if not cpu_vllm_fp8.amx_host() and "avx512_bf16" not in cpu_vllm_fp8.cpu_flags():
-        return "no AMX tiles and no avx512_bf16 (the CPUs vLLM's FP8 kernels have been measured on here have one of them)"
-    return None
+
+        if not getattr(ops, "_supports_cpu_fp8_w8a16", False):
+            return "vLLM's build says it has no FP8 W8A16 CPU GEMM (vllm._custom_ops._supports_cpu_fp8_w8a16)"
+    return missing
 
 
 def row_tile(scale: torch.Tensor) -> int | None:
