@@ -6,9 +6,13 @@ launch reads (``host_linear.read_bytes``, the planner's formula) against the int
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
+from benchmarks.linear_shapes import checkpoint_linear as checkpoint
 from benchmarks.linear_shapes import seed_linears
 from vllm_moe_w8.codec import fp8
 from vllm_moe_w8.kernels import host_linear as hl
@@ -17,20 +21,6 @@ from vllm_moe_w8.kernels.nki_api import BACKEND
 from vllm_moe_w8.neuron_glue import kernel_launch
 
 interpreter_only = pytest.mark.skipif(BACKEND != "interpreter", reason="counts the interpreter's Stats")
-
-
-def checkpoint(n: int, k: int, seed: int = 0):
-    """(E4M3FN codes [N, K], fp32 scales [N/128, K/128]) like an FP8 checkpoint: each 128x128 block quantised with
-    amax / 448 - except every third block with amax / 240, which then uses no E4M3FN-only code (kept as is by pow2)."""
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=gen) * 0.02
-    tiles = w.reshape(n // 128, 128, k // 128, 128)
-    amax = tiles.abs().amax(dim=(1, 3))
-    top = torch.full_like(amax, fp8.E4M3FN_MAX)
-    top.view(-1)[::3] = fp8.E4M3_MAX
-    scale = amax / top
-    codes = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k)
-    return codes, scale
 
 
 def tokens_x(t: int, k: int, seed: int) -> torch.Tensor:
@@ -233,3 +223,52 @@ def test_bad_bytes_and_lnc_are_refused():
     assert hl.gate(run(tokens_x(2, 128, 0), lw, 1), tokens_x(2, 128, 0), lw)[0]
     with pytest.raises(ValueError, match=r"x \(2, 256\) must be \[T, 128\]"):
         run(tokens_x(2, 256, 0), lw, 1)
+
+
+def test_the_benchmark_prices_the_served_launch():
+    """benchmarks/bench_linear.ours runs the launch run_linear_w8 makes (bucket, kernel, split) under both scenarios and
+    its bytes agree with host_linear.read_bytes (the bench asserts it); the exact alternative at prefill is pow2."""
+    from benchmarks import bench_linear
+
+    spec = {"parts": (("a", 256), ("b", 256)), "k": 256, "layers": 1}
+    decode, prefill = bench_linear.ours(spec, 3), bench_linear.ours(spec, 300, exact=True)
+    assert (decode["kernel"], decode["bucket"], prefill["kernel"], prefill["bucket"]) == ("pow2", 16, "pow2", 512)
+    assert all(decode[f"{sc}_us"] > 0 for sc in bench_linear.SCENARIOS)
+
+
+AWS_SOURCES = os.environ.get("VLLM_MOE_W8_AWS_SOURCES")  # the harness's local folder; unset: skipped (no AWS code here)
+
+
+def _bf16_baseline(role: str, tokens: int, swap_rows: bool = False) -> tuple[str, bool]:
+    """(kernel, within 2^-8 x sum |x| |W| of x @ W) for nki-library's kernel run as bench_linear runs it; ``swap_rows``
+    feeds it W with two contraction rows swapped (a layout error) while the reference keeps W."""
+    import ml_dtypes
+    import numpy as np
+
+    from benchmarks import aws_dense
+    from benchmarks.aws_differential import loader
+    from vllm_moe_w8.kernels.nki_cpu import launch as nki_launch
+
+    rng = np.random.default_rng(tokens)
+    x = rng.standard_normal((tokens, 256)).astype(ml_dtypes.bfloat16)
+    w = (rng.standard_normal((256, 512)) / 16).astype(ml_dtypes.bfloat16)
+    fed = w[[128] + list(range(1, 128)) + [0] + list(range(129, 256))] if swap_rows else w
+    with loader.nki_mapped():
+        kernels = aws_dense.load(Path(AWS_SOURCES))
+        name, args, kw = aws_dense.call(kernels, role, x, np.ascontiguousarray(fed))
+        out, _ = nki_launch(kernels[name], (2,), *args, lnc=2, **kw)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    err = np.abs(np.asarray(out, np.float64).reshape(tokens, 512) - x64 @ w64)
+    return name, bool((err <= 2.0**-8 * (np.abs(x64) @ np.abs(w64))).all())
+
+
+@pytest.mark.skipif(not AWS_SOURCES, reason="set VLLM_MOE_W8_AWS_SOURCES to the harness's local folder of AWS sources")
+@pytest.mark.parametrize("role,tokens", [("fused", 8), ("fused", 256), ("out", 8), ("out", 256)])
+def test_the_bf16_baseline_kernels_compute_the_product(role, tokens):
+    """The BF16 side of bench_linear is a working kernel: nki-library's QKV / output projection kernels, executed as the
+    bench executes them, give x @ W within their bf16 output's rounding; fed a W with two rows swapped they do not."""
+    name, ok = _bf16_baseline(role, tokens)
+    assert name == {("fused", 8): "qkv_tkg", ("fused", 256): "qkv_cte", ("out", 8): "out_tkg",
+                    ("out", 256): "out_cte"}[(role, tokens)]
+    assert ok
+    assert not _bf16_baseline(role, tokens, swap_rows=True)[1]
