@@ -67,6 +67,11 @@ class LinearWeights:
     def nbytes(self) -> int:
         return self.codes.numel() + 4 * self.scales.numel()
 
+    def to(self, device) -> "LinearWeights":
+        """The same weights on ``device`` (codes stay uint8, scales fp32)."""
+        return LinearWeights(self.codes.to(device), self.scales.to(device), self.name, self.splits, self.parts,
+                             self.stats, self.mode, self.block)
+
 
 def _refuse(name: str, msg: str) -> None:
     raise LinearShapeError(f"1-byte linear kernel, tensor {name!r}: {msg}")

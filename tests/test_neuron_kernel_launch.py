@@ -290,10 +290,8 @@ def test_linear_specialises_once_per_bucket(small_linear, monkeypatch):
 
 def test_linear_launch_traces_on_meta(small_linear):
     """On the meta device (VLLM_NEURON_CPU_COMPILE) the launch is the interpreter op's fake: [T, N] fp32, no data."""
-    from vllm_moe_w8.kernels import host_linear as hl
-
-    meta = hl.LinearWeights(small_linear.codes.to("meta"), small_linear.scales.to("meta"), small_linear.name,
-                            small_linear.splits, small_linear.parts)
+    meta = small_linear.to("meta")
+    assert meta.codes.dtype == torch.uint8 and (meta.n, meta.k, meta.splits) == (512, 256, small_linear.splits)
     for t in (5, 300):
         y = kernel_launch.run_linear_w8(torch.zeros(t, 256, dtype=torch.bfloat16, device="meta"), meta, lnc=2,
                                         where=kernel_launch.backend())
