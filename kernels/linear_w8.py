@@ -13,9 +13,9 @@ The codes stay uint8 in HBM and are viewed as ``nl.float8_e4m3`` in SBUF. Two ke
 * :func:`linear_w8_dequant` (prefill, T > 128) - every 128x128 code block multiplied by its scale and rounded to
   bf16 once in SBUF (``moe_w8_dequant._dequantise``: ScalarE / VectorE alternating), then bf16 x bf16 matmuls that
   accumulate the whole contraction in PSUM. Its numbers are those of the BF16 model dequantised from the checkpoint
-  (bf16(w * s) per weight, as vllm-neuron's loader casts it), not the exact pow2 result: the exact per-block
-  scale-adds cost T x N x K/128 element operations, more than TensorE's own time at prefill under AWS's documented
-  engine rates (benchmarks/bench_linear.py prices both).
+  (bf16(w * s) per weight: the weight today's BF16 path loads, ``neuron_glue.slice_hook``), not the exact pow2
+  result: the exact per-block scale-adds cost T x N x K/128 element operations, more than TensorE's own time at
+  prefill under AWS's documented engine rates (benchmarks/bench_linear.py prices both).
 
 Shape contract (checked on the host before every launch by ``host_linear.check_linear_args``; the traced body has
 no ``raise``), P = 128, G = K / 128:
