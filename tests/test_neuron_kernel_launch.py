@@ -220,3 +220,89 @@ def test_served_selective_decode_with_the_intermediate_split():
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     tw, ti = kernel_check.routing(5, 4, 2, seed=5)
     assert torch.equal(fn(x, tw, ti), kernel_launch.run_routed_experts(x, tw, ti, kw, lnc=2))
+
+
+# --- the 1-byte linear kernel's launch (run_linear_w8) --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_linear():
+    from vllm_moe_w8.kernels import host_linear
+
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(512, 256, generator=gen) * 0.02
+    tiles = w.reshape(4, 128, 2, 128)
+    scale = tiles.abs().amax(dim=(1, 3)) / 448.0
+    codes = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(512, 256)
+    return host_linear.linear_weights(codes, scale, name="layers.0.self_attn.qkv")
+
+
+def test_linear_buckets_paths_and_splits_are_functions_of_the_shape():
+    from vllm_moe_w8.kernels import host_linear as hl
+
+    assert [hl.bucket_for(t) for t in (1, 16, 17, 100, 128)] == [16, 16, 32, 128, 128]
+    assert [hl.bucket_for(t, lnc) for t, lnc in ((129, 1), (129, 2), (300, 1), (2048, 2), (2049, 2))] == [
+        256, 256, 384, 2048, 2304]
+    assert [hl.path_for(t) for t in (1, 128, 129, 8192)] == ["pow2", "pow2", "dequant", "dequant"]
+    assert [hl.split_tokens(b, lnc) for b, lnc in ((16, 2), (128, 2), (256, 2), (256, 1))] == [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("tokens", [3, 200])
+def test_linear_launch_is_one_opaque_node_under_fullgraph_and_matches_eager(small_linear, tokens):
+    """run_linear_w8 under torch.compile(fullgraph=True, dynamic=False): one graph, one moe_w8::nki_interpreted node
+    (pow2 for decode, dequant for prefill) whose fake output is the contract's [bucket, N]; equal to the eager call."""
+    from vllm_moe_w8.kernels import host_linear as hl
+
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    where = kernel_launch.backend()
+    fn = torch.compile(lambda x: kernel_launch.run_linear_w8(x, small_linear, lnc=2, where=where), backend=recorder,
+                       fullgraph=True, dynamic=False)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+    got = fn(x)
+    op = torch.ops.moe_w8.nki_interpreted
+    launches = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
+    assert len(graphs) == 1 and len(launches) == 1
+    assert launches[0].args[0] == kernel_launch.LINEAR[hl.path_for(tokens)].__name__
+    assert tuple(launches[0].meta["example_value"].shape) == (hl.bucket_for(tokens, 2), 512)
+    assert torch.equal(got, kernel_launch.run_linear_w8(x, small_linear, lnc=2))
+
+
+def test_linear_specialises_once_per_bucket(small_linear, monkeypatch):
+    """Every T of a bucket launches the same kernel with the same shapes and constants (one compile per bucket)."""
+    from vllm_moe_w8.kernels import host_routed
+
+    keys = {}
+    real = kernel_launch.launch
+
+    def recording(kernel, lnc, tensors, constants, stats=None, where=None):
+        keys.setdefault(tensors[0].shape[0], set()).add(host_routed.specialisation(kernel, tensors, constants))
+        return real(kernel, lnc, tensors, constants, stats, where)
+
+    monkeypatch.setattr(kernel_launch, "launch", recording)
+    for t in (1, 7, 16, 17, 32):
+        kernel_launch.run_linear_w8(torch.zeros(t, 256, dtype=torch.bfloat16), small_linear, lnc=2)
+    assert {b: len(k) for b, k in keys.items()} == {16: 1, 32: 1}
+
+
+def test_linear_launch_traces_on_meta(small_linear):
+    """On the meta device (VLLM_NEURON_CPU_COMPILE) the launch is the interpreter op's fake: [T, N] fp32, no data."""
+    meta = small_linear.to("meta")
+    assert meta.codes.dtype == torch.uint8 and (meta.n, meta.k, meta.splits) == (512, 256, small_linear.splits)
+    for t in (5, 300):
+        y = kernel_launch.run_linear_w8(torch.zeros(t, 256, dtype=torch.bfloat16, device="meta"), meta, lnc=2,
+                                        where=kernel_launch.backend())
+        assert y.device.type == "meta" and tuple(y.shape) == (t, 512) and y.dtype == torch.float32
+
+
+def test_stand_in_neuron_host_launches_the_linear_through_wrap_nki(fresh_backend, monkeypatch, small_linear):
+    from vllm_moe_w8.kernels import host_linear as hl
+
+    calls = _fake_host(monkeypatch)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    y = kernel_launch.run_linear_w8(x, small_linear, lnc=2)
+    assert calls == [("linear_w8_pow2", 2)]
+    assert hl.gate(y, x, small_linear)[0]

@@ -1,4 +1,4 @@
-"""Launching the routed-expert NKI kernels: the one wrapper both Trainium and the CPU tests go through.
+"""Launching the NKI kernels (routed experts, 1-byte linears): the one wrapper Trainium and the CPU tests go through.
 
 The launch contract (what the kernel engineers plug into; ``kernels/moe_w8.py`` documents each tensor):
 
@@ -28,6 +28,14 @@ with its output contract and :func:`backend` makes its caller.
                                 zero-filled, LNC > 1 only the rows its program stores (routing.combine with
                                 block_call's program_tokens selects them)
 
+    linear_w8_pow2 /            x [T, K] bf16 (T = host_linear.bucket_for(T, lnc)), w [128, K/128, N] u8,
+    linear_w8_dequant           scales [N/128, K/128] f32 (the resident host_linear.LinearWeights); constants
+                                split_tokens (0/1: host_linear.split_tokens of the bucket and LNC; 0 = the
+                                programs split N, 1 = prefill splits the token tiles) (+ vector_blocks for pow2);
+                                output [T, N] fp32 (each program writes its columns / rows). run_linear_w8 picks
+                                pow2 (exact) for T <= 128, dequant (bf16 weights on chip) beyond
+                                (host_linear.path_for)
+
 Where the kernels run:
 
 * on a Neuron host (a ``/dev/neuron*`` device): vllm-neuron's ``wrap_nki`` (``libtorch_neuronx_lite.nki.nki_hop``
@@ -51,7 +59,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_moe_w8.kernels import grouping, host, host_routed, routing
+from vllm_moe_w8.kernels import grouping, host, host_linear, host_routed, routing
+from vllm_moe_w8.kernels.linear_w8 import POW2_SCHEDULE, linear_w8_dequant, linear_w8_pow2
 from vllm_moe_w8.kernels.moe_w8 import moe_w8_output_block, moe_w8_pow2
 from vllm_moe_w8.kernels.moe_w8_grouped import moe_w8_grouped_output_block, moe_w8_grouped_pow2
 
@@ -65,6 +74,7 @@ TRN2_DEFAULT_LNC = 2
 WRAP_NKI_MODULES = ("libtorch_neuronx_lite.nki.nki_hop", "vllm_neuron.nki.nki_hop")
 DENSE = {"pow2": moe_w8_pow2, "output-block": moe_w8_output_block}
 GROUPED = {"pow2": moe_w8_grouped_pow2, "output-block": moe_w8_grouped_output_block}
+LINEAR = {"pow2": linear_w8_pow2, "dequant": linear_w8_dequant}
 
 
 class NeuronLaunchError(RuntimeError):
@@ -89,6 +99,11 @@ def _blocks_output(tensors, grid: int):
     return (grid, hidden.shape[0] - t2i.shape[1], w2.shape[3]), torch.float32  # hidden is [T + B, H]
 
 
+def _linear_output(tensors, grid: int):
+    x, w = tensors[0], tensors[1]
+    return (x.shape[0], w.shape[2]), torch.float32
+
+
 def _grouped_output(tensors, grid: int):
     rows, w2 = tensors[0], tensors[4]
     return (rows.shape[0], w2.shape[3]), torch.float32
@@ -99,6 +114,7 @@ def _grouped_output(tensors, grid: int):
 KERNELS = {k.__name__: (k, _dense_output) for k in DENSE.values()}
 KERNELS.update({k.__name__: (k, _grouped_output) for k in GROUPED.values()})
 KERNELS.update({k.__name__: (k, _blocks_output) for k in host_routed.BLOCKS.values()})  # [lnc, T, H] fp32
+KERNELS.update({k.__name__: (k, _linear_output) for k in LINEAR.values()})  # [T, N] fp32
 
 
 def _callers(wrap) -> dict:
@@ -286,6 +302,29 @@ def run_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
     host_routed.check_block_args(tensors, consts, kw.mode, lnc, rows, topk_ids.shape[1])
     out = launch(kernel, lnc, tensors, consts, stats, where)
     return routing.combine(out.float(), rows, program_tokens)[:tokens]
+
+
+def run_linear_w8(x: torch.Tensor, lw: host_linear.LinearWeights, *, lnc: int, where: Backend | None = None,
+                  stats: list | None = None) -> torch.Tensor:
+    """y [T, N] fp32 = x [T, K] @ W.T through the 1-byte linear kernel (kernels/linear_w8.py), one launch, trace-safe
+    like :func:`run_routed_experts`: x padded to ``host_linear.bucket_for(T, lnc)``; T <= 128 runs the exact pow2
+    kernel, longer T the dequant kernel (``host_linear.path_for``); the constants are functions of the bucket and LNC
+    only. ``lw.splits`` cuts a fused linear's output. ``where``: the backend resolved beforehand (required under trace)."""
+    if x.dim() != 2 or x.shape[1] != lw.k:
+        raise ValueError(f"run_linear_w8({lw.name}): x {tuple(x.shape)} must be [T, {lw.k}] (the linear's K)")
+    host_linear.check_lnc(lw, lnc)
+    tokens = x.shape[0]
+    if tokens == 0:
+        return x.new_zeros((0, lw.n), dtype=torch.float32)
+    bucket = host_linear.bucket_for(tokens, lnc)
+    path = host_linear.path_for(tokens)
+    split = host_linear.split_tokens(bucket, lnc)
+    xp = host.pad_rows(x.to(torch.bfloat16), bucket)
+    consts = {"split_tokens": split}
+    if path == "pow2":
+        consts["vector_blocks"] = POW2_SCHEDULE.vector_blocks
+    host_linear.check_linear_args(xp, lw.codes, lw.scales, lnc, split)
+    return launch(LINEAR[path], lnc, (xp, lw.codes, lw.scales), consts, stats, where)[:tokens]
 
 
 def run_grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights, *,
