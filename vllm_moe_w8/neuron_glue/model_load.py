@@ -27,7 +27,7 @@ import logging
 import torch
 
 from vllm_moe_w8.codec.model_config import SUPPORTED_ARCHITECTURES, text_config
-from vllm_moe_w8.neuron_glue import experts, interfaces, loaders, slice_hook
+from vllm_moe_w8.neuron_glue import experts, interfaces, loaders, mixers, slice_hook
 from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
 
 logger = logging.getLogger("vllm.neuron_w8")
@@ -88,6 +88,8 @@ def wrap(model, arch: str, cfg, dtype, dequantise_non_experts: bool = True) -> N
     def set_meta_weights():
         for _, block in experts.adopted_blocks(model):
             block.w8_set_meta(cfg.mode)
+        if mixers.adopted_mixers(model):
+            mixers.set_meta(model)
 
     def load_weights(checkpoint_path, device, cache_dir=None, **kwargs):
         if kwargs.get("reader") is not None or torch.device(device).type == "meta":
@@ -107,6 +109,10 @@ def wrap(model, arch: str, cfg, dtype, dequantise_non_experts: bool = True) -> N
             loads += block.w8_load(source, cfg, device)
             plan = block.w8_plan
         loaders.log_totals(loads, cfg, plan, layers=len(blocks))
+        if mixers.adopted_mixers(model):
+            launches = mixers.load(source, model, device)
+            logger.info("neuron-w8 on Neuron: loaded %d 1-byte projection groups of %d mixers (q+k+v, o_proj, "
+                        "in_proj_qkv+z, out_proj)", launches, len(mixers.adopted_mixers(model)))
 
     model.load_weights = load_weights
     lite = getattr(model, "load_weights_lite", None)

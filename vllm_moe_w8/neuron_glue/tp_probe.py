@@ -43,7 +43,7 @@ class _IndexProbe:
         n = self._shape[self._axis]
         view = [1] * len(self._shape)
         view[self._axis] = n
-        return torch.arange(n, dtype=torch.int64).view(view).expand(self._shape)
+        return torch.arange(n, dtype=torch.int64, device="cpu").view(view).expand(self._shape)  # cpu: also under a meta build
 
     def __getitem__(self, index):
         return self._full()[index]
@@ -109,7 +109,7 @@ def block_index(indices: torch.Tensor, where: str, what: str) -> torch.Tensor:
                 "--additional-config '{\"neuron_w8\": {\"non_expert_layers\": \"bf16\"}}' to keep vllm-neuron's BF16 "
                 "path for these layers)")
         blocks.append(int(part[0]))
-    return torch.tensor(blocks, dtype=torch.int64)
+    return torch.tensor(blocks, dtype=torch.int64, device=indices.device)
 
 
 def take(weight: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, where: str):
