@@ -121,3 +121,64 @@ def test_a_slice_cutting_scale_blocks_keeps_vllm_neurons_bf16_path(run, checkpoi
                    for _, _, q, bf16, d in res["extra"]), res["extra"]
     for res in run(job(aligned, 2, {"neuron_w8": {"non_expert_layers": "bf16"}})):
         assert all(not q.startswith("W8") and bf16 for _, _, q, bf16, _ in res["extra"]), res["extra"]
+
+
+# The layouts `plan` says neuron-w8 serves at 1 byte (tools/decode_bytes.SERVED): issue #34's table (TP 4, LNC 2) and
+# the packaged recommendation (TP 8, LNC 1). Each rank's mixers, built as vllm-neuron builds them at that TP, must be
+# adopted by mixers.plan_cuts, their rank cuts the loaders' own: q whole [query | gate] heads partitioning the
+# checkpoint's rows, k / v the KV head of rank // (TP / KV heads), o_proj / out_proj this rank's input columns.
+SERVED_LAYOUTS = [("qwen3.5-35b-a3b", 4, 2), ("qwen3.5-35b-a3b", 8, 1)]
+
+
+@pytest.mark.parametrize("model,tp,lnc", SERVED_LAYOUTS)
+def test_the_served_qwen35_layouts_are_adopted_with_the_loaders_cuts(model, tp, lnc):
+    import dataclasses
+    import importlib
+
+    import json
+
+    from vllm_moe_w8.neuron_glue import mixers
+    from vllm_moe_w8.tools import plan
+
+    st.put_standin_on_path()
+    try:
+        ps = importlib.import_module("vllm_neuron.parallel.neuron_parallel_state")
+        cfg_mod = importlib.import_module("vllm_neuron.model.qwen3_5.config")
+        get_loader = importlib.import_module("vllm_neuron.utils.weight_loader").get_weight_loader
+        tc = json.loads(plan.packaged_configs()[model].read_text())["config"]["text_config"]
+        mixer_fields = ("num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                        "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        text = cfg_mod.Qwen3_5TextConfig(tc["hidden_size"], tc["num_hidden_layers"], tuple(tc["layer_types"]),
+                                         tc.get("rms_norm_eps", 1e-6), torch.bfloat16,
+                                         **{k: tc[k] for k in mixer_fields})
+        shapes = mixers.checkpoint_shapes(text)
+        group = ps.ThreadGroup(tp)
+        q_rows = []
+        for rank in range(tp):
+            ps.set_rank_state(ps.GroupCoordinator(group, rank))
+            for target in mixers.TARGETS:
+                cls = getattr(importlib.import_module(target.module[0]), target.module[1])
+                with torch.device("meta"):
+                    module = cls(text, 3 if target.kind == "attention" else 0)
+                mixers.check_module(module, target, target.kind)
+                loaders = {p: get_loader(getattr(module, p)) for g in target.groups for p in g.params}
+                cuts, why = mixers.plan_cuts(target, loaders, rank, shapes, lnc, f"rank {rank} {target.kind}")
+                assert cuts is not None, f"{model} TP {tp} rank {rank}: {target.kind} kept BF16: {why}"
+                if target.kind == "attention":
+                    kv_head = rank // (tp // text.num_key_value_heads)
+                    for p in ("k_proj_weight", "v_proj_weight"):
+                        assert cuts[p].rows.tolist() == list(range(kv_head * text.head_dim, (kv_head + 1) * text.head_dim))
+                    q_rows += cuts["q_proj_weight"].rows.tolist()
+                    per = 2 * text.num_attention_heads * text.head_dim // tp
+                    assert cuts["q_proj_weight"].rows.tolist() == list(range(rank * per, (rank + 1) * per))
+                    assert cuts["o_proj_weight"].cols.tolist() == list(range(rank * per // 2, (rank + 1) * per // 2))
+                else:
+                    gk = text.linear_num_key_heads * text.linear_key_head_dim
+                    vd, kd = text.linear_num_value_heads * text.linear_value_head_dim // tp, gk // tp
+                    segments = [range(o + rank * n, o + (rank + 1) * n) for o, n in ((0, kd), (gk, kd), (2 * gk, vd))]
+                    assert cuts["in_proj_qkv_weight"].rows.tolist() == [r for seg in segments for r in seg]
+                    assert cuts["in_proj_z_weight"].rows.tolist() == list(range(rank * vd, (rank + 1) * vd))
+                    assert cuts["out_proj_weight"].cols.tolist() == list(range(rank * vd, (rank + 1) * vd))
+        assert sorted(q_rows) == list(range(shapes["self_attn.q_proj"][0]))
+    finally:
+        st.drop_standin()
