@@ -48,6 +48,7 @@ class Job:
     relax: str = "bind"  # how the size pins are relaxed (_glue_families: "bind", "assign", "keep-key-count")
     precheck: bool = False  # run the platform's start-up check (registration._precheck_config) first, as vLLM does
     layout: str = ""  # "" the family's checkpoint; else the caller wrote ckpt in this tiny_models layout
+    extra: str = ""  # "module:function" of tests/ run on the loaded rank: fn(model, family, rank, job) -> results["extra"]
 
 
 class TestPlatform:
@@ -156,6 +157,15 @@ def rank_body(job: Job, rank: int) -> dict:
     if job.glue and not job.lite:
         out["kernel_weights"] = [{n: getattr(b, n) for n in ("w8_w13", "w8_w13_scales", "w8_w2", "w8_w2_scales")} for b in banks]
         out["plans"] = [asdict(b.w8_plan) for b in banks]
+        # Qwen3.5's shared expert through the kernels: (layout, its one-expert plan, its own bank's buffers or None)
+        out["shared"] = [None if getattr(b, "w8_shared", None) is None else
+                         (b.w8_shared.layout, asdict(b.w8_shared.plan),
+                          {n: getattr(b, n) for n in ("w8_shared_w13", "w8_shared_w13_scales", "w8_shared_w2",
+                                                      "w8_shared_w2_scales")} if b.w8_shared.layout == "bank" else None)
+                         for b in banks]
+    if job.extra:
+        module, fn = job.extra.split(":")
+        out["extra"] = getattr(__import__(module), fn)(model, family, rank, job)
     halves = MoeHalves(family, model)
     device = "meta" if job.lite else "cpu"
     size = int(hf.hidden_size if getattr(hf, "hidden_size", None) else hf.text_config.hidden_size)

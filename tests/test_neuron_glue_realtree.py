@@ -106,6 +106,18 @@ def layouts():
             for f, fam in fams.FAMILIES.items() for w in (1, 2) for ep in fam.ep_layouts if w > 1 or not ep]
 
 
+def split_shared(kw: dict, plan: dict, shared):
+    """(routed bank buffers, [(shared expert buffers, its plan)]) of one adopted block: the shared expert in the routed
+    bank's last slot, in its own bank, or not adopted (vllm-neuron's BF16 one)."""
+    if shared is None:
+        return kw, []
+    layout, splan, own = shared
+    if layout == "bank":
+        return kw, [({k.replace("w8_shared_", "w8_"): v for k, v in own.items()}, splan)]
+    local = plan["num_experts"] // plan["ep_degree"]
+    return {k: v[:local] for k, v in kw.items()}, [({k: v[local:] for k, v in kw.items()}, splan)]
+
+
 def stored_values(kw: dict, plan: dict):
     """{(global expert, proj): stored value fp32} from one bank's kernel-layout buffers (test_neuron_glue_glm5)."""
     import ml_dtypes
@@ -160,11 +172,20 @@ def test_build_threaded_load_float64_and_fullgraph(run, checkpoints, family, wor
         assert all(q == "W8" + n for q, n in res["bank_classes"]), res["bank_classes"]
         assert res["threads"] and res["caller"] not in res["threads"], "the load ran on the loader's worker threads"
         assert res["graphs"] == len(CASES) and res["graphs_after_second"] == len(CASES), "one graph per shape, no recompile"
-        assert all(k == ["moe_w8_blocks_pow2"] * len(layers) for k in res["kernels"]), res["kernels"]
-        for kw, plan, layer in zip(res["kernel_weights"], res["plans"], layers):
-            for (g, proj), got in stored_values(kw, plan).items():
+        # one launch per MoE layer; Qwen3.5 under EP one more, its shared expert's own bank (shared_expert.py)
+        per_layer = 2 if family == "qwen3_5_moe" and ep else 1
+        assert all(k == ["moe_w8_blocks_pow2"] * (per_layer * len(layers)) for k in res["kernels"]), res["kernels"]
+        shared = res.get("shared") or [None] * len(layers)
+        assert (family == "qwen3_5_moe") == all(s is not None for s in shared), shared  # adopted by default
+        for kw, plan, layer, sh in zip(res["kernel_weights"], res["plans"], layers, shared):
+            routed, own = split_shared(kw, plan, sh)
+            for (g, proj), got in stored_values(routed, plan).items():
                 name = f"{prefix(family)}.{layer}.mlp.experts.{g}.{proj}.weight"
                 assert inexact_in_slice(got, tensors, name, proj, plan) == 0, (rank, g, proj)
+            for skw, splan in own:  # the shared expert: the rank's TP shard over the world, the same bound
+                for (_, proj), got in stored_values(skw, splan).items():
+                    name = f"{prefix(family)}.{layer}.mlp.shared_expert.{proj}.weight"
+                    assert inexact_in_slice(got, tensors, name, proj, splan) == 0, (rank, "shared", proj)
         for key, offset in (("outputs", 0), ("outputs_second", SECOND)):
             for name, tokens, decode, seed in CASES:
                 for i, layer in enumerate(layers):

@@ -36,7 +36,7 @@ import re
 import torch
 
 from vllm_moe_w8.kernels.host import KernelWeights
-from vllm_moe_w8.neuron_glue import interfaces, kernel_launch
+from vllm_moe_w8.neuron_glue import interfaces, kernel_launch, loaders, shared_expert
 from vllm_moe_w8.neuron_glue.interfaces import MoeTarget, NeuronGlueError
 
 BUFFERS = ("w8_w13", "w8_w13_scales", "w8_w2", "w8_w2_scales")
@@ -93,13 +93,31 @@ class _W8Routed:
             raise NeuronGlueError(f"neuron-w8: layer {self.w8_layer}: experts used before load_weights filled them")
         return KernelWeights(self.w8_w13, self.w8_w13_scales, self.w8_w2, self.w8_w2_scales, self.w8_mode)
 
-    def w8_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    def w8_load(self, source, cfg, device) -> list:
+        """Read this block's experts from the checkpoint (``loaders``) and keep them on ``device``: its LayerLoads."""
+        ld = loaders.load_layer_experts(source, self.w8_layer, self.w8_plan, cfg)
+        self.w8_set_weights(ld.weights, device)
+        return [ld]
+
+    def w8_set_meta(self, mode: str) -> None:
+        """Meta buffers of the kernel layout (a weights-free load)."""
+        self.w8_set_weights(loaders.meta_weights(self.w8_plan, mode))
+
+    def w8_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, real: torch.Tensor | None,
+                  extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """This rank's routed sum [T, H] in x's dtype; ``extra``: (weights, local ids) columns appended after the
+        global -> local mapping (the shared expert's slot)."""
         plan = self.w8_plan
         lids = local_ids(ids, plan.first_expert, plan.num_local)
+        if extra is not None:
+            weights, lids = torch.cat([weights, extra[0]], dim=1), torch.cat([lids, extra[1]], dim=1)
+        return self.w8_run(x, weights, lids, real, self.w8_kernel_weights())
+
+    def w8_run(self, x, weights, lids, real, kw: KernelWeights) -> torch.Tensor:
         if real is not None:
             lids = torch.where(real[:, None], lids, torch.full_like(lids, -1))
         with torch.no_grad():  # inference only (vllm-neuron's forward runs under no_grad too)
-            out = self.w8_runner(x.detach(), weights.detach(), lids, self.w8_kernel_weights(), lnc=self.w8_settings.lnc,
+            out = self.w8_runner(x.detach(), weights.detach(), lids, kw, lnc=self.w8_settings.lnc,
                                  swiglu_limit=self.w8_settings.swiglu_limit, where=self.w8_backend)
         return out.to(x.dtype)
 
@@ -120,7 +138,10 @@ class W8Qwen3MoeExperts(_W8Routed):
 
 
 class W8Qwen3_5SparseMoeBlock(_W8Routed):
-    """``forward(hidden_states, is_prefill, norm, positions, rank)`` of vllm-neuron's ``Qwen3_5SparseMoeBlock``."""
+    """``forward(hidden_states, is_prefill, norm, positions, rank)`` of vllm-neuron's ``Qwen3_5SparseMoeBlock``; the
+    shared expert through the same kernels when :mod:`shared_expert` adopted it (``w8_shared``), else vllm-neuron's."""
+
+    w8_shared = None  # shared_expert.SharedPlan, or None: vllm-neuron's BF16 _shared_expert
 
     def forward(self, hidden_states, is_prefill, norm, positions=None, rank=None):
         hidden_states = hidden_states.to(self.dtype)
@@ -129,9 +150,59 @@ class W8Qwen3_5SparseMoeBlock(_W8Routed):
             normed = self.tp_group.all_gather(normed, dim=0)
         weights, ids = route(normed, self.router_weight, self.top_k, True)
         real = padding_mask(positions, normed.shape[0]) if is_prefill else None
-        out = self.w8_routed(normed, weights, ids, real)
-        out = out + self._shared_expert(normed)
+        if self.w8_shared is None:
+            out = self.w8_routed(normed, weights, ids, real) + self._shared_expert(normed)
+        elif self.w8_shared.layout == "slot":  # routed + shared in one launch
+            out = self.w8_routed(normed, weights, ids, real, extra=(self.w8_shared_affinity(normed), self.w8_shared_ids(ids)))
+        else:
+            out = self.w8_routed(normed, weights, ids, real) + self.w8_shared_expert(normed, real)
         return self._combine(out, is_prefill=is_prefill)
+
+    def w8_shared_affinity(self, normed: torch.Tensor) -> torch.Tensor:
+        return shared_expert.affinity(normed, self.shared_expert_gate_weight)
+
+    def w8_shared_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The shared expert's local id for every token [T, 1]: the routed bank's last slot, or its own bank's 0."""
+        return torch.full_like(ids[:, :1], self.w8_plan.num_local if self.w8_shared.layout == "slot" else 0)
+
+    def w8_shared_expert(self, normed: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's shared-expert partial sum alone (gated), through the kernels, in normed's dtype."""
+        aff = self.w8_shared_affinity(normed)
+        ids = self.w8_shared_ids(aff.to(torch.int64))
+        if self.w8_shared.layout == "slot":
+            return self.w8_run(normed, aff, ids, real, self.w8_kernel_weights())
+        if self.w8_shared_w13 is None:
+            raise NeuronGlueError(f"neuron-w8: layer {self.w8_layer}: shared expert used before load_weights filled it")
+        kw = KernelWeights(self.w8_shared_w13, self.w8_shared_w13_scales, self.w8_shared_w2, self.w8_shared_w2_scales,
+                           self.w8_mode)
+        return self.w8_run(normed, aff, ids, real, kw)
+
+    def w8_load(self, source, cfg, device) -> list:
+        if self.w8_shared is None:
+            return super().w8_load(source, cfg, device)
+        where = f"layer {self.w8_layer} shared expert"
+        routed = loaders.load_layer_experts(source, self.w8_layer, self.w8_plan, cfg)
+        shared = loaders.load_layer_experts(source, self.w8_layer, self.w8_shared.plan, cfg,
+                                            read=shared_expert.reader(source, self.w8_layer),
+                                            cut=shared_expert.cutter(self.w8_shared, where))
+        if self.w8_shared.layout == "slot":
+            self.w8_set_weights(shared_expert.in_slot(routed.weights, shared.weights), device)
+        else:
+            self.w8_set_weights(routed.weights, device)
+            self.w8_set_shared(shared.weights, device)
+        return [routed, shared]
+
+    def w8_set_meta(self, mode: str) -> None:
+        if self.w8_shared is None:
+            return super().w8_set_meta(mode)
+        slot = self.w8_shared.layout == "slot"
+        self.w8_set_weights(loaders.meta_weights(self.w8_plan, mode, extra_experts=1 if slot else 0))
+        if not slot:
+            self.w8_set_shared(loaders.meta_weights(self.w8_shared.plan, mode))
+
+    def w8_set_shared(self, kw: KernelWeights, device=None) -> None:
+        for name, t in zip(shared_expert.BUFFERS, (kw.w13, kw.w13_scales, kw.w2, kw.w2_scales)):
+            setattr(self, name, t.to(device) if device is not None else t)
 
 
 def _qwen3_5_sequence_parallel() -> bool:
@@ -176,11 +247,16 @@ def adopt(block, target: MoeTarget, module_name: str, plan, settings, architectu
             "parallelism (neuron_config.mlp_dp_size > 1) are not supported; keep expert parallelism inside one "
             "tensor-parallel group"
         )
-    for name in target.bf16_params:
+    shared, shared_why = shared_expert.decide(block, plan, settings) if target.kind == "qwen3_5_moe" else (None, "")
+    for name in target.bf16_params + (tuple(shared_expert.PARAMS.values()) if shared else ()):
         delattr(block, name)
     sequence_parallel = _qwen3_5_sequence_parallel() if target.kind == "qwen3_5_moe" else False
     block.__class__ = _w8_class(type(block), MIXINS[target.kind])
     block.w8_setup(plan, settings, layer_index(module_name), kernel_launch.backend(), sequence_parallel)
+    if target.kind == "qwen3_5_moe":
+        block.w8_shared, block.w8_shared_why = shared, shared_why
+        for name in shared_expert.BUFFERS:
+            block.register_buffer(name, None, persistent=False)
 
 
 def adopted_blocks(model) -> list:

@@ -61,6 +61,8 @@ QWEN3_5_MOE = MoeTarget(
     block_attrs=(
         "tp_group", "world_size", "ep_degree", "ep_rank", "tp_degree", "num_local_experts", "num_experts", "top_k",
         "hidden_size", "intermediate_size", "inter_per_rank", "router_weight", "dtype",
+        "shared_per_rank", "shared_gate_proj_weight", "shared_up_proj_weight", "shared_down_proj_weight",
+        "shared_expert_gate_weight",
     ),
     bf16_params=("experts_gate_up_weight", "experts_down_weight"),
     block_methods=("_shared_expert", "_combine"),

@@ -85,12 +85,16 @@ class ExpertSource:
         return f"{self.prefix}{layer}.mlp.experts.{expert}.{proj}"
 
     def names(self, layer: int, expert: int, proj: str) -> tuple[str, str]:
-        stem = self.stem(layer, expert, proj)
+        return self.fp8_names(self.stem(layer, expert, proj),
+                              f"<prefix>{layer}.mlp.experts.<e>.<gate|up|down>_proj.weight")
+
+    def fp8_names(self, stem: str, pattern: str = "") -> tuple[str, str]:
+        """(weight, scale) names of the FP8 matrix ``stem``; CheckpointError naming what is missing."""
         weight = f"{stem}.weight"
         if weight not in self.ckpt.tensors:
             raise CheckpointError(
-                f"{self.ckpt.path}: no tensor {weight!r}; neuron-w8 loads per-expert FP8 tensors "
-                f"(<prefix>{layer}.mlp.experts.<e>.<gate|up|down>_proj.weight) of a block-FP8 or per-channel checkpoint"
+                f"{self.ckpt.path}: no tensor {weight!r}; neuron-w8 loads FP8 tensors "
+                f"({pattern or stem + '.weight'}) of a block-FP8 or per-channel checkpoint"
             )
         for suffix in SCALE_SUFFIXES:
             if f"{stem}.{suffix}" in self.ckpt.tensors:
@@ -98,7 +102,13 @@ class ExpertSource:
         raise CheckpointError(f"{self.ckpt.path}: {weight!r} has no {' or '.join(SCALE_SUFFIXES)}: an FP8 weight without its scale")
 
     def read_expert(self, layer: int, expert: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, str]]:
-        wanted = {proj: self.names(layer, expert, proj) for proj in PROJS}
+        return self._read({proj: self.names(layer, expert, proj) for proj in PROJS})
+
+    def read_mlp(self, stem: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, str]]:
+        """gate/up/down of an MLP at ``stem`` (e.g. ``...layers.3.mlp.shared_expert``), read like one expert."""
+        return self._read({proj: self.fp8_names(f"{stem}.{proj}") for proj in PROJS})
+
+    def _read(self, wanted: dict[str, tuple[str, str]]) -> dict[str, tuple[torch.Tensor, torch.Tensor, str]]:
         got = self.ckpt.load_many([n for pair in wanted.values() for n in pair])
         return {proj: (got[w], got[s], w) for proj, (w, s) in wanted.items()}
 
@@ -146,8 +156,11 @@ class LayerLoad:
     seconds: float
 
 
-def load_layer_experts(source: ExpertSource, layer: int, plan: RankPlan, settings) -> LayerLoad:
-    """Read, cut, repack, self-check and lay out one layer's local experts (see the module docstring)."""
+def load_layer_experts(source: ExpertSource, layer: int, plan: RankPlan, settings, read=None, cut=None) -> LayerLoad:
+    """Read, cut, repack, self-check and lay out one layer's local experts (see the module docstring).
+    ``read(layer, global expert) -> {proj: (weight, scale, name)}`` and ``cut(proj, weight, scale) -> (codes, grid)``
+    replace the per-expert reader and the TP cut of the plan (the shared expert: ``neuron_glue.shared_expert``)."""
+    read = read or source.read_expert
     t0 = time.perf_counter()
     plan.validate(f"layer {layer}")
     mode, fmt = settings.mode, settings.fmt
@@ -164,11 +177,11 @@ def load_layer_experts(source: ExpertSource, layer: int, plan: RankPlan, setting
     for e in range(L):
         g = plan.first_expert + e
         where = f"layer {layer}, expert {g} (local {e})"
-        raw = source.read_expert(layer, g)
+        raw = read(layer, g)
         reps = {}
         for proj, (weight, scale, name) in raw.items():
             _check_shapes(proj, weight, plan, name)
-            codes, grid = _tp_cut(proj, weight, scale, block, plan)
+            codes, grid = cut(proj, weight, scale) if cut else _tp_cut(proj, weight, scale, block, plan)
             if fmt.converted:
                 rep = fp8.Repacked(fp8._as_bytes(codes).contiguous(), grid.float().contiguous(), mode, out_block)
             else:
@@ -201,6 +214,18 @@ def _self_check(reps, where: str, mode: str, block, code_format: str, converted:
     self_check.check_rounded_count(mode, n_diff, counted, where)
 
 
+def meta_weights(plan: RankPlan, mode: str, extra_experts: int = 0) -> KernelWeights:
+    """Kernel-layout buffers on the meta device (shapes and dtypes of what :func:`load_layer_experts` makes; with
+    ``extra_experts`` more local experts of the same shape, the shared expert's slot)."""
+    e, h, i_r = plan.num_local + extra_experts, plan.hidden_size, plan.inter_per_rank
+    g13, g2 = (h // P, i_r // P) if mode == "pow2" else (1, 1)
+    meta = dict(device="meta")
+    return KernelWeights(torch.empty(e, P, h // P, 2 * i_r, dtype=torch.uint8, **meta),
+                         torch.empty(e, 2 * i_r // P, g13, dtype=torch.float32, **meta),
+                         torch.empty(e, P, i_r // P, h, dtype=torch.uint8, **meta),
+                         torch.empty(e, h // P, g2, dtype=torch.float32, **meta), mode)
+
+
 def from_kernel_layout(kw: KernelWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """The op layout (w13 [E, 2I, H], w2 [E, H, I] uint8) back from the kernel layout (tests, self-checks)."""
     e, p, hc, two_i = kw.w13.shape
@@ -225,7 +250,8 @@ def resolve_checkpoint_dir(path: str, cache_dir: str | None) -> str:
         ) from e
 
 
-def log_totals(loads: list[LayerLoad], settings, plan: RankPlan) -> None:
+def log_totals(loads: list[LayerLoad], settings, plan: RankPlan, layers: int | None = None) -> None:
+    """One INFO line over every load (``layers``: the MoE layers they belong to, default one load per layer)."""
     if not loads:
         return
     stats = fp8.RepackStats()
@@ -237,7 +263,7 @@ def log_totals(loads: list[LayerLoad], settings, plan: RankPlan) -> None:
         "neuron-w8 on Neuron: loaded %d MoE layers (mode %s from %s; EP rank %d/%d, TP shard %d/%d, %d local experts, "
         "kernel layout %.2f MB): blocks shifted %d of %d, values rounded %d (max abs error %.3g); self-check %s; %.2f s; "
         "LNC %d",
-        len(loads), settings.mode, settings.mode_source, plan.ep_rank, plan.ep_degree, plan.tp_rank, plan.tp_degree,
+        layers or len(loads), settings.mode, settings.mode_source, plan.ep_rank, plan.ep_degree, plan.tp_rank, plan.tp_degree,
         plan.num_local, nbytes / 1e6, stats.blocks_shifted, stats.blocks, stats.values_changed, stats.max_abs_error,
         f"passed on {sum(ld.checked for ld in loads)} experts" if any(ld.checked for ld in loads) else "off",
         sum(ld.seconds for ld in loads), settings.lnc,

@@ -27,8 +27,7 @@ import logging
 import torch
 
 from vllm_moe_w8.codec.model_config import SUPPORTED_ARCHITECTURES, text_config
-from vllm_moe_w8.kernels.host import P, KernelWeights
-from vllm_moe_w8.neuron_glue import experts, interfaces, loaders, slice_hook
+from vllm_moe_w8.neuron_glue import experts, interfaces, loaders, mixers, slice_hook
 from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
 
 logger = logging.getLogger("vllm.neuron_w8")
@@ -73,15 +72,7 @@ def check_sizes(model_path: str, config: dict, plans: list[tuple[str, loaders.Ra
                 )
 
 
-def meta_weights(plan: loaders.RankPlan, mode: str) -> KernelWeights:
-    """Kernel-layout buffers on the meta device (shapes and dtypes of what :func:`loaders.load_layer_experts` makes)."""
-    e, h, i_r = plan.num_local, plan.hidden_size, plan.inter_per_rank
-    g13, g2 = (h // P, i_r // P) if mode == "pow2" else (1, 1)
-    meta = dict(device="meta")
-    return KernelWeights(torch.empty(e, P, h // P, 2 * i_r, dtype=torch.uint8, **meta),
-                         torch.empty(e, 2 * i_r // P, g13, dtype=torch.float32, **meta),
-                         torch.empty(e, P, i_r // P, h, dtype=torch.uint8, **meta),
-                         torch.empty(e, h // P, g2, dtype=torch.float32, **meta), mode)
+meta_weights = loaders.meta_weights  # kernel-layout buffers on meta (loaders.meta_weights)
 
 
 def wrap(model, arch: str, cfg, dtype, dequantise_non_experts: bool = True) -> None:
@@ -96,7 +87,9 @@ def wrap(model, arch: str, cfg, dtype, dequantise_non_experts: bool = True) -> N
 
     def set_meta_weights():
         for _, block in experts.adopted_blocks(model):
-            block.w8_set_weights(meta_weights(block.w8_plan, cfg.mode))
+            block.w8_set_meta(cfg.mode)
+        if mixers.adopted_mixers(model):
+            mixers.set_meta(model)
 
     def load_weights(checkpoint_path, device, cache_dir=None, **kwargs):
         if kwargs.get("reader") is not None or torch.device(device).type == "meta":
@@ -113,11 +106,13 @@ def wrap(model, arch: str, cfg, dtype, dequantise_non_experts: bool = True) -> N
             original(checkpoint_path, device, cache_dir, **kwargs)
         loads, plan = [], None
         for _, block in blocks:
-            ld = loaders.load_layer_experts(source, block.w8_layer, block.w8_plan, cfg)
-            block.w8_set_weights(ld.weights, device)
-            loads.append(ld)
+            loads += block.w8_load(source, cfg, device)
             plan = block.w8_plan
-        loaders.log_totals(loads, cfg, plan)
+        loaders.log_totals(loads, cfg, plan, layers=len(blocks))
+        if mixers.adopted_mixers(model):
+            launches = mixers.load(source, model, device)
+            logger.info("neuron-w8 on Neuron: loaded %d 1-byte projection groups of %d mixers (q+k+v, o_proj, "
+                        "in_proj_qkv+z, out_proj)", launches, len(mixers.adopted_mixers(model)))
 
     model.load_weights = load_weights
     lite = getattr(model, "load_weights_lite", None)

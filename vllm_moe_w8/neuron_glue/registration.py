@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from vllm_moe_w8.about import QUANTIZATION_NAME
-from vllm_moe_w8.neuron_glue import experts, glm_experts, interfaces, launch_checks, loaders, model_load, settings
+from vllm_moe_w8.neuron_glue import experts, glm_experts, interfaces, launch_checks, loaders, mixers, model_load, settings
 from vllm_moe_w8.neuron_glue import glm_moe_dsa  # noqa: F401  (adds GLM-5's bank to glm_experts.BANKS)
 from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
 
@@ -190,10 +190,19 @@ def convert_model(model, vllm_config):
     prepare = glm_experts.BANKS[target.kind].prepare_model if bank else None
     if prepare is not None:
         prepare(model, blocks, arch)
+    linears, kept = mixers.adopt(model, cfg) if target.kind == "qwen3_5_moe" else ([], [])
     # the GLM models load their own FP8 non-expert tensors (bytes + scales): no dequantising hook for them
     model_load.wrap(model, arch, cfg, dtype=model_config.dtype, dequantise_non_experts=not bank)
+    shared = sorted({getattr(b, "w8_shared_why", "") for _, b in blocks} - {""})
     logger.info(
-        "neuron-w8 on Neuron: %s (vllm-neuron %s): %d MoE blocks use 1-byte experts (mode %s from %s, LNC %d)",
+        "neuron-w8 on Neuron: %s (vllm-neuron %s): %d MoE blocks use 1-byte experts (mode %s from %s, LNC %d)%s",
         arch, interfaces.vllm_neuron_version(), len(blocks), cfg.mode, cfg.mode_source, cfg.lnc,
+        f"; shared expert: {'; '.join(shared)}" if shared else "",
     )
+    if target.kind == "qwen3_5_moe":
+        logger.info("neuron-w8 on Neuron: %s: %d attention / Gated-DeltaNet mixers run their FP8 projections at 1 byte "
+                    "(the block-scaled linear kernel)%s", arch, len(linears),
+                    "" if cfg.non_expert_w8 else f"; all stay BF16 (non_expert_layers bf16 from {cfg.non_expert_source})")
+        for name, why in kept:
+            logger.warning("neuron-w8 on Neuron: %s keeps vllm-neuron's BF16 projections: %s", name, why)
     return model

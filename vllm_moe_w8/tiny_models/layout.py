@@ -50,6 +50,7 @@ class TinySizes:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
+    linear_head_dim: int = 64  # Qwen3.5's Gated DeltaNet key/value head dim (the real models: 128)
     num_shards: int = 2
     vocab_size: int = 0  # 0: the tokenizer's size rounded up to a multiple of 64
 

@@ -10,14 +10,13 @@ from vllm_moe_w8.tiny_models.layout import Plan, TinySizes, embed_and_head, gqa_
 
 QWEN35_LINEAR_KEY_HEADS = 2
 QWEN35_LINEAR_VALUE_HEADS = 4
-QWEN35_LINEAR_HEAD_DIM = 64
 QWEN35_CONV_KERNEL = 4
 
 
 def _qwen3_5_text_layers(p: Plan, model: str, s: TinySizes, layer_types: list[str]) -> None:
     h = s.hidden_size
-    key_dim = QWEN35_LINEAR_KEY_HEADS * QWEN35_LINEAR_HEAD_DIM
-    value_dim = QWEN35_LINEAR_VALUE_HEADS * QWEN35_LINEAR_HEAD_DIM
+    key_dim = QWEN35_LINEAR_KEY_HEADS * s.linear_head_dim
+    value_dim = QWEN35_LINEAR_VALUE_HEADS * s.linear_head_dim
     for L, kind in enumerate(layer_types):
         pre = f"{model}.layers.{L}"
         layer_norms(p, pre, h)
@@ -30,7 +29,7 @@ def _qwen3_5_text_layers(p: Plan, model: str, s: TinySizes, layer_types: list[st
             p.add(f"{la}.conv1d.weight", (2 * key_dim + value_dim, 1, QWEN35_CONV_KERNEL), "bf16", init="conv")
             p.add(f"{la}.dt_bias", (QWEN35_LINEAR_VALUE_HEADS,), "bf16", init="ones")
             p.add(f"{la}.A_log", (QWEN35_LINEAR_VALUE_HEADS,), "fp32", init="a_log")
-            p.add(f"{la}.norm.weight", (QWEN35_LINEAR_HEAD_DIM,), "norm")
+            p.add(f"{la}.norm.weight", (s.linear_head_dim,), "norm")
             p.add(f"{la}.out_proj.weight", (h, value_dim), "fp8")
         else:
             gqa_attention(p, f"{pre}.self_attn", s, q_gate=True)
@@ -59,10 +58,10 @@ def _qwen3_5_text_config(s: TinySizes, v: dict, layer_types: list[str]) -> dict:
         "initializer_range": 0.02,
         "layer_types": layer_types,
         "linear_conv_kernel_dim": QWEN35_CONV_KERNEL,
-        "linear_key_head_dim": QWEN35_LINEAR_HEAD_DIM,
+        "linear_key_head_dim": s.linear_head_dim,
         "linear_num_key_heads": QWEN35_LINEAR_KEY_HEADS,
         "linear_num_value_heads": QWEN35_LINEAR_VALUE_HEADS,
-        "linear_value_head_dim": QWEN35_LINEAR_HEAD_DIM,
+        "linear_value_head_dim": s.linear_head_dim,
         "max_position_embeddings": 4096,
         "mlp_only_layers": [],
         "moe_intermediate_size": s.moe_intermediate_size,

@@ -36,7 +36,8 @@ def cmd_plan(args) -> int:
         config, source = resolve_config(args.target, args.config)
         report = make_plan(config, tp=args.tp, ep=args.ep, dp=args.dp, hbm_gb=args.hbm_gb, max_model_len=args.max_model_len,
                            mode=args.mode, kv_dtype_bytes=1 if args.kv_cache_dtype == "fp8" else 2,
-                           utilization=args.utilization, source=source, ep_size=args.ep_size, lnc=args.lnc)
+                           utilization=args.utilization, source=source, ep_size=args.ep_size, lnc=args.lnc,
+                           decode_batch=args.decode_batch)
     except PlanError as e:
         _fail(args, str(e))
         return 1
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None, help="context length: also report sequences that fit")
     s.add_argument("--mode", choices=MODES, default="pow2", help="neuron-w8 mode (scale grid)")
     s.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16")
+    s.add_argument("--decode-batch", type=int, default=128, help="the large batch of the decode-bytes table (besides batch 1)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(func=cmd_plan)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_moe_w8.codec.model_config import quant_format
+from vllm_moe_w8.tools import decode_bytes
 from vllm_moe_w8.tools.model_shape import ModelShape, PlanError, model_shape
 
 GB = 1e9
@@ -41,6 +42,7 @@ DEFAULT_HBM_GB = 96 * 2**30 / 4 / GB  # Trn2: 96 GiB per chip, 4 logical cores a
 CORES_PER_CHIP = 8  # Trn2 physical NeuronCores; LNC=n pairs n of them into one logical core (one rank)
 DEFAULT_UTILIZATION = 0.9
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_DECODE_BATCH = 128  # the largest decode bucket of the kernels (kernels.host.T_BUCKETS)
 
 
 # -- the per-rank plan -----------------------------------------------------------------------
@@ -198,6 +200,7 @@ def make_plan(
     source: str = "",
     ep_size: int | None = None,
     lnc: int = 2,
+    decode_batch: int = DEFAULT_DECODE_BATCH,
 ) -> dict[str, Any]:
     if tp < 1:
         raise PlanError(f"--tp must be >= 1, got {tp}")
@@ -234,6 +237,10 @@ def make_plan(
     kv_tok, kv_notes = kv_bytes_per_token(s, tp, kv_dtype_bytes)
     state_seq, state_notes = linear_state_bytes_per_seq(s, tp, 2)
     warnings, errors = tp_advice(s, tp, ep, dp, ep_size)
+    if decode_batch < 1:
+        raise PlanError(f"--decode-batch must be >= 1, got {decode_batch}")
+    decode = [decode_bytes.table(config, s, tp=tp, batch=b, experts_rank=experts_rank, i_rank=i_rank,
+                                 expert_scale=expert_scale_bytes(h, i_rank, mode, block)) for b in sorted({1, decode_batch})]
 
     hbm = (hbm_gb if hbm_gb is not None else DEFAULT_HBM_GB * lnc / 2) * GB
     usable = hbm * utilization
@@ -267,6 +274,7 @@ def make_plan(
         *kv_notes,
         *state_notes,
         "MTP layers, vision towers and activation workspace are not counted",
+        decode_bytes.ASSUMPTIONS,
     ]
     return {
         "source": source,
@@ -299,6 +307,7 @@ def make_plan(
         "hbm_bytes_per_rank": int(hbm),
         "max_model_len": max_model_len,
         "fit": fit,
+        "decode_bytes": decode,
         "warnings": warnings,
         "errors": errors,
         "assumptions": assumptions,
@@ -334,6 +343,7 @@ def format_plan(p: dict[str, Any]) -> str:
             continue
         extra = f", {f['max_sequences_at_max_model_len']} sequences of {p['max_model_len']} tokens" if p["max_model_len"] else ""
         lines.append(f"  {name:13s}: weights {g(f['weights_bytes'])}, KV room {g(f['free_bytes_for_kv'])} = {f['kv_tokens']:,} tokens (batch x context){extra}")
+    lines += decode_bytes.format_tables(p["decode_bytes"])
     for w in p["warnings"]:
         lines.append(f"WARNING: {w}")
     for e in p["errors"]:

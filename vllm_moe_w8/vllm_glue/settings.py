@@ -18,7 +18,8 @@ from vllm_moe_w8.vllm_glue.checkpoint_format import CheckpointFormat
 AUTO_ENV = "VLLM_MOE_W8_AUTO"
 
 ADDITIONAL_CONFIG_KEY = "neuron_w8"
-SETTINGS_DEFAULTS = {"mode": None, "self_check": True, "self_check_experts": 3}
+# non_expert_layers: read by the Neuron glue only (neuron_glue.settings); accepted here so one launch line serves both
+SETTINGS_DEFAULTS = {"mode": None, "self_check": True, "self_check_experts": 3, "non_expert_layers": None}
 MODE_ENV = "VLLM_MOE_W8_MODE"
 SELF_CHECK_ENV = "VLLM_MOE_W8_SELF_CHECK"
 

@@ -10,7 +10,9 @@
 * ``Qwen3_5MoeParams.from_hf`` (``text_config.moe``; None for a dense checkpoint): ``num_experts``,
   ``num_experts_per_tok``, ``moe_intermediate_size``, ``shared_expert_intermediate_size`` (required),
   ``norm_topk_prob`` (default True); ``decoder_sparse_step`` 1 and ``scoring_func`` "softmax" only.
-The mixer fields (DeltaNet, attention) are not kept: the stand-in builds no mixers."""
+The mixer fields the stand-in's attention and DeltaNet read are kept under the fork's names (``head_dim``,
+``num_attention_heads``, ``num_key_value_heads``, ``linear_*``); ``torch_dtype`` may be replaced (``dataclasses.replace``)
+to build a float64 twin of a mixer, as the fork's dataclass allows."""
 
 from __future__ import annotations
 
@@ -67,6 +69,14 @@ class Qwen3_5TextConfig:
     torch_dtype: torch.dtype
     moe: Qwen3_5MoeParams | None = None
     neuron_config: object | None = None
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     @property
     def is_moe(self) -> bool:
@@ -94,8 +104,11 @@ class Qwen3_5TextConfig:
                              "num_experts; this config has neither.")
         if not getattr(text_cfg, "attn_output_gate", False):
             raise NotImplementedError("Qwen3.5 without attn_output_gate is not implemented")
+        mixers = {k: int(getattr(text_cfg, k)) for k in (
+            "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")}
         return cls(text_cfg.hidden_size, text_cfg.num_hidden_layers, layer_types, text_cfg.rms_norm_eps,
-                   _dtype_of(text_cfg, torch.bfloat16), moe)
+                   _dtype_of(text_cfg, torch.bfloat16), moe, **mixers)
 
 
 @dataclass
