@@ -182,3 +182,41 @@ def test_the_served_qwen35_layouts_are_adopted_with_the_loaders_cuts(model, tp, 
         assert sorted(q_rows) == list(range(shapes["self_attn.q_proj"][0]))
     finally:
         st.drop_standin()
+
+
+def _fp8_part(rows: int, cols: int, seed: int, top: bool = False):
+    """E4M3FN bytes [rows, cols] (no NaN codes) and positive block scales; ``top``: every block uses codes above 240,
+    so the pow2 repack halves it (odd subnormals round: the count the self-check must match)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 0x7F, (rows, cols), generator=g, dtype=torch.uint8)  # positive codes, 0x7F (NaN) excluded
+    codes |= (torch.randint(0, 2, (rows, cols), generator=g, dtype=torch.uint8) << 7)  # random signs
+    if top:
+        codes[::128, ::128] = 0x7E  # 448: every block halved
+    scales = torch.rand(rows // 128, cols // 128, generator=g) + 0.5
+    return codes, scales
+
+
+def test_the_packed_projections_self_check_against_the_checkpoint():
+    """mixers.check_packed (run at load on the first mixer of each kind, as the experts' sampled self-check): the
+    packed q+k+v passes against the checkpoint's codes x scales, exactly (pow2: only the counted roundings differ);
+    realistic loading faults stop it, naming the part - a code flipped in the packed copy, one part's scales taken from
+    another part (a mis-cut), the parts fused in another order than the checkpoint's."""
+    from vllm_moe_w8.neuron_glue import mixers
+    from vllm_moe_w8.kernels import host_linear as hl
+    from vllm_moe_w8.vllm_glue.self_check import NumericsSelfCheckError
+
+    parts = [(*_fp8_part(256, 256, 1, top=True), "q_proj.weight"), (*_fp8_part(128, 256, 2), "k_proj.weight"),
+             (*_fp8_part(128, 256, 3, top=True), "v_proj.weight")]
+    lw = mixers.pack(parts, "layers.3.qkv")
+    assert lw.stats.blocks_shifted > 0 and lw.stats.values_changed > 0  # the rounding the count must match happened
+    mixers.check_packed(parts, lw, "layers.3.qkv")
+
+    flipped = hl.LinearWeights(lw.codes.clone(), lw.scales, lw.name, lw.splits, lw.parts, lw.stats)
+    flipped.codes[5, 1, 300] ^= 0x01  # one stored code one step off, in row 300: the k_proj part (rows 256..383)
+    with pytest.raises(NumericsSelfCheckError, match="k_proj.weight"):
+        mixers.check_packed(parts, flipped, "layers.3.qkv")
+    wrong_scales = [parts[0], (parts[1][0], parts[2][1], "k_proj.weight"), parts[2]]
+    with pytest.raises(NumericsSelfCheckError, match="k_proj.weight"):
+        mixers.check_packed(parts, mixers.pack(wrong_scales, "layers.3.qkv"), "layers.3.qkv")
+    with pytest.raises(NumericsSelfCheckError):
+        mixers.check_packed(parts, mixers.pack([parts[0], parts[2], parts[1]], "layers.3.qkv"), "layers.3.qkv")

@@ -15,7 +15,7 @@ import torch
 
 from vllm_moe_w8.tools import cli
 from vllm_moe_w8.tools.decode_bytes import expected_local_experts
-from vllm_moe_w8.tools.plan import load_model_entry, make_plan
+from vllm_moe_w8.tools.plan import format_plan, load_model_entry, make_plan
 
 MB = 1e6
 # Issue #34's table (MB per decoded token per rank; Qwen3.5-35B-A3B, TP=4, batch 1): row -> (BF16, today, all FP8).
@@ -149,3 +149,19 @@ def test_cli_prints_both_batches_and_refuses_a_bad_batch(capsys):
     assert batches == [1, 128]
     assert cli.main(["plan", "qwen3.5-35b-a3b", "--tp", "4", "--decode-batch", "0"]) == 1
     assert "--decode-batch must be >= 1" in capsys.readouterr().err
+
+
+def test_hbm_fit_counts_the_dense_layers_neuron_w8_serves_at_1_byte():
+    """The fit's neuron-w8 weights drop the dense FP8 layers' second byte where neuron-w8 serves them at 1 byte
+    (Qwen3.5-MoE): by issue #34's batch-1 difference, 1,263.6 - 907.2 MB per rank at TP=4 (each dense weight is read
+    once per batch-1 step, so its bytes read are its bytes resident); Qwen3-MoE (attention inside nkilib's BF16
+    kernels) keeps every non-expert weight BF16; the BF16-experts column is unchanged."""
+    q35 = make_plan(load_model_entry("qwen3.5-35b-a3b")["config"], tp=4)
+    saved = q35["other_weight_bytes_per_rank"] - q35["other_weight_bytes_per_rank_w8"]
+    assert abs(saved / MB - (1263.6 - 907.2)) <= 2 * PRINTED, saved
+    assert q35["fit"]["w8"]["weights_bytes"] == (q35["expert_bytes_per_rank_w8"] + q35["other_weight_bytes_per_rank_w8"])
+    assert q35["fit"]["bf16"]["weights_bytes"] == q35["expert_bytes_per_rank_bf16"] + q35["other_weight_bytes_per_rank"]
+    assert "neuron-w8 (its FP8 layers at 1 B): 0.90 GB" in format_plan(q35)
+    q3 = make_plan(load_model_entry("qwen3-30b-a3b")["config"], tp=4)
+    assert q3["other_weight_bytes_per_rank_w8"] == q3["other_weight_bytes_per_rank"]
+

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from vllm_moe_w8.neuron_glue import interfaces, kernel_launch, tp_probe
 from vllm_moe_w8.neuron_glue.interfaces import NeuronGlueError
+from vllm_moe_w8.vllm_glue import self_check
 
 WEIGHT_LOADER = ("vllm_neuron.utils.weight_loader", "get_weight_loader")
 
@@ -300,17 +301,37 @@ def pack(parts: list, name: str):
     return lws[0] if len(lws) == 1 else hl.fuse(lws, name=name)
 
 
-def load(source, model, device) -> int:
+def load(source, model, device, check: bool = True) -> int:
     """Fill every adopted mixer's projections from the checkpoint (``loaders.ExpertSource``) onto ``device``; the
-    number of packed launches' weights."""
-    shapes, count = checkpoint_shapes(model.text_config), 0
-
+    number of packed launches' weights. With ``check`` (the ``self_check`` setting) the first mixer of each kind is
+    self-checked as the experts are (:func:`check_packed`) before anything moves to ``device``."""
+    shapes, count, checked = checkpoint_shapes(model.text_config), 0, set()
     for name, module in adopted_mixers(model):
+        kind = module.w8_target.kind
         for group in module.w8_target.groups:
             parts = group_parts(module, group, shapes, name, reader(source, module))
-            module.w8_set_linear(group.name, pack(parts, f"{name}.{group.name}"), device)
+            lw = pack(parts, f"{name}.{group.name}")
+            if check and kind not in checked:
+                check_packed(parts, lw, f"{name}.{group.name}")
+            module.w8_set_linear(group.name, lw, device)
             count += 1
+        checked.add(kind)
     return count
+
+
+def check_packed(parts: list, lw, where: str) -> None:
+    """The packed weights (what the kernel holds: stored codes x scales) against the checkpoint's codes x scales of
+    every part, by the experts' self-check rules (``vllm_glue.self_check``, pow2: equal except the odd subnormals the
+    repack says it rounded, each within its bound). Raises ``NumericsSelfCheckError`` naming the part."""
+    hl = _host_linear()
+    got = hl.dense_weight(lw)
+    self_check.check_finite({where: got}, where, "e4m3", "pow2")
+    row, n_diff = 0, 0
+    for codes, grid, part_name in parts:
+        n = codes.shape[0]
+        n_diff += self_check.check_projection(got[row:row + n], codes, grid, (hl.P, hl.P), "pow2", where, part_name)
+        row += n
+    self_check.check_rounded_count("pow2", n_diff, lw.stats.values_changed, where)
 
 
 def reader(source, module):

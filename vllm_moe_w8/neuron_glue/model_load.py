@@ -110,7 +110,7 @@ def wrap(model, arch: str, cfg, dtype, dequantise_non_experts: bool = True) -> N
             plan = block.w8_plan
         loaders.log_totals(loads, cfg, plan, layers=len(blocks))
         if mixers.adopted_mixers(model):
-            launches = mixers.load(source, model, device)
+            launches = mixers.load(source, model, device, check=cfg.self_check)
             logger.info("neuron-w8 on Neuron: loaded %d 1-byte projection groups of %d mixers (q+k+v, o_proj, "
                         "in_proj_qkv+z, out_proj)", launches, len(mixers.adopted_mixers(model)))
 

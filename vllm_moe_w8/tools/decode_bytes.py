@@ -153,6 +153,15 @@ def table(config: dict, s: ModelShape, *, tp: int, batch: int, experts_rank: int
             "served_note": served[1] if served else "not adopted on vllm-neuron by neuron-w8"}
 
 
+def resident_saving(t: dict) -> int:
+    """HBM bytes per rank neuron-w8's 1-byte dense layers save where it serves them (``SERVED``: every FP8 layer at 1
+    byte), from the batch-1 table ``t``: a batch-1 step reads each dense weight once, so the dense rows' bytes are
+    their resident bytes; the routed rows are equal in the two columns."""
+    if t["batch"] != 1 or t["served_on_vllm_neuron"] != "all_fp8_1byte":
+        return 0
+    return round(t["total"]["experts_only"] - t["total"]["all_fp8_1byte"])
+
+
 ASSUMPTIONS = (
     "decode bytes: weight bytes read per decoded token per rank (MB = 1e6 B) = what one step reads / batch; every "
     "dense weight once per step, each routed local expert at least one token picked (uniform top-k routing, no "

@@ -244,7 +244,8 @@ def make_plan(
 
     hbm = (hbm_gb if hbm_gb is not None else DEFAULT_HBM_GB * lnc / 2) * GB
     usable = hbm * utilization
-    w8_rank = codes_rank + scales_rank + other_rank
+    other_w8 = other_rank - decode_bytes.resident_saving(decode[0])  # decode[0]: batch 1
+    w8_rank = codes_rank + scales_rank + other_w8
     bf16_rank = 2 * codes_rank + other_rank
     fit = {}
     for label, weights in (("w8", w8_rank), ("bf16", bf16_rank)):
@@ -268,7 +269,8 @@ def make_plan(
         f"neuron-w8 scales float32 on the {mode} grid" + (", refined to gcd(I/tp, 128)-row tiles" if i_rank % BLOCK else ""),
         f"Trn2 LNC={lnc}: {CORES_PER_CHIP // lnc} ranks per chip, {math.ceil(tp * dp * lnc / CORES_PER_CHIP)} chips for {tp * dp} ranks (trn2.48xlarge: 16)",
         "other weights (embeddings, lm_head, attention, dense MLPs, shared experts, routers) estimated from config shapes in BF16; "
-        "TP-sharded except routers and MLA down-projections; norms/biases/conv kernels ignored",
+        "TP-sharded except routers and MLA down-projections; norms/biases/conv kernels ignored; neuron-w8's fit counts "
+        "the dense FP8 layers it serves at 1 byte (decode-bytes table, batch 1) at 1 B plus scales",
         f"usable HBM per rank = {hbm / GB:.2f} GB x utilisation {utilization}",
         f"KV cache dtype {kv_dtype_bytes} B per element",
         *kv_notes,
@@ -302,6 +304,7 @@ def make_plan(
         "expert_bytes_per_rank_w8": codes_rank + scales_rank,
         "expert_bytes_per_rank_bf16": 2 * codes_rank,
         "other_weight_bytes_per_rank": other_rank,
+        "other_weight_bytes_per_rank_w8": other_w8,  # less where neuron-w8 serves the dense FP8 layers at 1 byte
         "kv_bytes_per_token_per_rank": kv_tok,
         "linear_state_bytes_per_sequence_per_rank": state_seq,
         "hbm_bytes_per_rank": int(hbm),
@@ -330,7 +333,8 @@ def format_plan(p: dict[str, Any]) -> str:
         f"  neuron-w8 codes       {g(p['expert_bytes_total_w8_codes']):>12} {g(p['expert_bytes_per_rank_w8_codes']):>14}   (the CHECKPOINTS.md figure)",
         f"  neuron-w8 with scales {g(p['expert_bytes_total_w8']):>12} {g(p['expert_bytes_per_rank_w8']):>14}",
         f"  BF16                  {g(p['expert_bytes_total_bf16']):>12} {g(p['expert_bytes_per_rank_bf16']):>14}",
-        f"other weights per rank (BF16, estimate): {g(p['other_weight_bytes_per_rank'])}",
+        f"other weights per rank (BF16, estimate): {g(p['other_weight_bytes_per_rank'])}" + (f"; neuron-w8 (its FP8 layers at 1 B): "
+        f"{g(p['other_weight_bytes_per_rank_w8'])}" if p["other_weight_bytes_per_rank_w8"] != p["other_weight_bytes_per_rank"] else ""),
         f"KV cache per token per rank: {p['kv_bytes_per_token_per_rank']} B"
         + (f"; linear-attention state per sequence: {p['linear_state_bytes_per_sequence_per_rank'] / 2**20:.1f} MiB" if p["linear_state_bytes_per_sequence_per_rank"] else ""),
         f"HBM per rank: {g(p['hbm_bytes_per_rank'])}",
@@ -356,12 +360,8 @@ def format_plan(p: dict[str, Any]) -> str:
 # -- configs/ ----------------------------------------------------------------------------------
 def packaged_configs() -> dict[str, Path]:
     """Every ``configs/*.json`` shipped in the package, by file stem."""
-    root = resources.files("vllm_moe_w8.configs")
-    out = {}
-    for entry in root.iterdir():
-        if entry.name.endswith(".json"):
-            out[entry.name[:-5]] = Path(str(entry))
-    return dict(sorted(out.items()))
+    entries = resources.files("vllm_moe_w8.configs").iterdir()
+    return dict(sorted((e.name[:-5], Path(str(e))) for e in entries if e.name.endswith(".json")))
 
 
 def load_model_entry(name: str) -> dict[str, Any]:
