@@ -13,6 +13,10 @@ Both sides run in the NKI interpreter and are priced by ``kernels/nki_cpu/cost.p
   top-8), each with BF16 weights and with their FP8 path (float8_e4m3 weights, per-row / per-channel fp32 scales).
   ``moe_cte`` gets the blocks the routing needs (``sum_e ceil(rows_e / B)``: an oracle capacity that favours it; a
   launch at nki-library's static capacity ``ceil((T k - (E - 1)) / B) + E - 1`` runs up to k x more blocks).
+* **the vllm-neuron GLM fork** (GLM-5.3-Flash only, ``benchmarks.bench_glm_kernels.fork``): its decode kernel where
+  its tiles fit SBUF (restated, ``glm_dataflows.expert_decode``: it cannot load here), else its
+  ``moe_fused_fp8_kernel`` executed from the same folder (jinhuang12/vllm-neuron @625d6b89; one block per routed
+  local expert).
 
 Reduced-but-faithful prefill: ``moe_cte``'s instruction stream is the same for every block (its static loop runs the
 same body per block; gathers and scatters move B rows whatever they hold), so its counters are affine in the block
@@ -40,6 +44,7 @@ import torch
 
 from benchmarks.aws_differential import loader
 from benchmarks.aws_differential.case import LIBRARY
+from benchmarks import bench_glm_kernels
 from benchmarks.bench_glm_kernels import experts as our_experts
 from benchmarks.bench_glm_kernels import ours, routing_for
 from vllm_moe_w8.kernels.nki_cpu import calibration, cost
@@ -48,7 +53,7 @@ from vllm_moe_w8.kernels.nki_cpu.reference_dataflows import combine, difference
 
 SHAPES = {
     "Qwen3.5-35B-A3B EP=8": dict(E=32, E_total=256, H=2048, I=512, k=8, lnc=2, limit=0.0),
-    "GLM-5.3-Flash EP=32": dict(E=9, E_total=288, H=4096, I=2048, k=8, lnc=2, limit=10.0),
+    "GLM-5.3-Flash EP=32": dict(E=9, E_total=288, H=4096, I=2048, k=8, lnc=2, limit=10.0, fork="fused_fp8"),
 }
 DECODE = (1, 8, 32, 128)
 PREFILL = (128, 2048, 8192)
@@ -183,6 +188,16 @@ def rows_local(ids: torch.Tensor, e_local: int) -> list[int]:
     return [int((ids == e).any(dim=1).sum()) for e in range(e_local)]
 
 
+def fork_row(folder: Path, shape: dict, T: int, ids: torch.Tensor) -> dict:
+    """The GLM fork's kernel for this call, priced like the others (its fused kernel executed from ``folder``)."""
+    if folder not in bench_glm_kernels.FORK_FOLDER:
+        bench_glm_kernels.FORK_FOLDER.append(folder)
+    dataflow, programs, _ = bench_glm_kernels.fork(shape, T, ids)
+    row = {"fork_dataflow": dataflow, "fork_source": "executed" if dataflow == "fused_fp8" else "restated"}
+    row.update({f"fork_{k}": v for k, v in priced(programs).items()})
+    return row
+
+
 def run(folder: Path, decode=DECODE, prefill=PREFILL, shapes=None) -> list[dict]:
     rows = []
     with loader.nki_mapped():
@@ -214,6 +229,8 @@ def run(folder: Path, decode=DECODE, prefill=PREFILL, shapes=None) -> list[dict]
                         programs, n, how = cte_programs(cte, types, shape, fp8, T, rows_local(ids, shape["E"]))
                         row.update({f"aws_cte_{tag}_{k}": v for k, v in priced(programs).items()})
                         row[f"aws_cte_{tag}_blocks"], row[f"aws_cte_{tag}_how"] = n, how
+                if "fork" in shape:
+                    row.update(fork_row(folder, shape, T, ids))
                 row["interp_s"] = round(time.perf_counter() - t0, 1)
                 rows.append(row)
                 print(f"  {label} T={T}: ours {row['ours_fitted_us']:.0f} / {row['ours_documented_us']:.0f} us; "

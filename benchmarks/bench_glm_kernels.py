@@ -79,14 +79,15 @@ def ours(kw: host.KernelWeights, x, topk_weights, topk_ids, lnc: int, scenario: 
         args = launch.kernel_args(hidden, aff, kw)
         _, programs = nki_launch(launch.KERNELS[kw.mode], (lnc,), *args, float(limit), lnc=lnc, vector_blocks=vb)
         return which, programs
-    rows = host.bucket_for(tokens) if which == "selective" else tokens
+    rows = host_routed.selective_bucket(tokens) if which == "selective" else tokens
     pad = rows - tokens
     xp = host.pad_rows(x, rows)
     wp = host.pad_rows(topk_weights, rows)
     ip = torch.cat([topk_ids, topk_ids.new_full((pad, topk_ids.shape[1]), -1)])
     st: list = []
     launch.simulate_routed(xp, wp, ip, kw, lnc=lnc, stats=st, swiglu_limit=limit, vector_blocks=vb,
-                           block=rows if which == "selective" else host_routed.P)
+                           block=rows if which == "selective" else host_routed.P,
+                           stationary_max_tokens=host_routed.WEIGHTS_STATIONARY_MAX_TOKENS_BY_SCENARIO[scenario])
     return which, st[0]
 
 
@@ -112,11 +113,19 @@ def fork_dataflow(shape: dict, tokens: int) -> str:
 FORK_FOLDER: list = []  # [Path] when --fork-folder is given: the fused kernel is executed, not restated
 
 
-def same_counters(executed: list, restated: list) -> bool:
-    """Every counter equal, program by program (the peaks aside: a restatement allocates nothing)."""
+def counter_differences(executed: list, restated: list) -> list[str]:
+    """The counters that differ, program by program, as ``"program p: field executed != restated"`` (the peaks aside:
+    a restatement allocates nothing, so its peak SBUF / PSUM are 0 where the executed kernel's are not)."""
+    if len(executed) != len(restated):
+        return [f"{len(executed)} executed programs vs {len(restated)} restated"]
     fields = [f.name for f in dataclasses.fields(executed[0]) if not f.name.startswith("peak_")]
-    return len(executed) == len(restated) and all(getattr(e, f) == getattr(r, f) for e, r in zip(executed, restated)
-                                                  for f in fields)
+    return [f"program {p}: {f} {getattr(e, f)!r} != {getattr(r, f)!r}" for p, (e, r) in enumerate(zip(executed, restated))
+            for f in fields if getattr(e, f) != getattr(r, f)]
+
+
+def same_counters(executed: list, restated: list) -> bool:
+    """Every counter equal, program by program (:func:`counter_differences` empty)."""
+    return not counter_differences(executed, restated)
 
 
 def executed_fused(routed: list[int], h: int, i: int, lnc: int) -> list:
@@ -153,9 +162,10 @@ def fork(shape: dict, tokens: int, topk_ids: torch.Tensor, scale_ops: bool = Tru
         restated = glm_dataflows.fused_fp8(routed, shape["H"], shape["I"], shape["lnc"], scale_ops, weights)
         if FORK_FOLDER and scale_ops:
             programs = executed_fused(routed, shape["H"], shape["I"], shape["lnc"])
-            if not same_counters(programs, restated):
-                raise AssertionError(f"the fork's executed fused kernel and glm_dataflows.fused_fp8 disagree at T={tokens}: "
-                                     "the executed one wins - fix or drop the restatement")
+            differ = counter_differences(programs, restated)
+            if differ:
+                raise AssertionError(f"the fork's executed fused kernel and glm_dataflows.fused_fp8 disagree at T={tokens} "
+                                     f"({'; '.join(differ[:4])}): the executed one wins - fix or drop the restatement")
             return "fused_fp8", programs, weights
         return "fused_fp8", restated, weights
     return "glm5_selective", glm_dataflows.glm5_selective(rows, tokens, shape["H"], shape["I"], scale_ops, weights), weights
@@ -183,7 +193,7 @@ def case(label: str, shape: dict, tokens: int, kw: host.KernelWeights) -> dict:
         row[f"ours_{name}_read_MB"] = sum(s.hbm_read_bytes for s in programs) / 1e6
         row[f"ours_{name}_dmas"] = max(s.dma_count for s in programs)
         row[f"ours_{name}_matmuls"] = max(s.matmul_count for s in programs)
-    bucket = host.bucket_for(tokens) if row["ours_fitted_kernel"] == "selective" else 0
+    bucket = host_routed.selective_bucket(tokens) if row["ours_fitted_kernel"] == "selective" else 0
     row["ours_split_inter"] = bool(bucket) and host_routed.split_inter(bucket, bucket, shape["lnc"], shape["I"])
     dataflow, programs, weights = fork(shape, tokens, topk_ids)
     row["fork_dataflow"] = dataflow

@@ -80,6 +80,8 @@ def measure(kw: host.KernelWeights, tokens: int) -> dict:
 DECODE_SHAPES = {"Qwen3.5-35B-A3B EP=8": dict(E=32, E_total=256, H=2048, I=512, k=8),
                  "GLM-5.3-Flash EP=32": dict(E=9, E_total=288, H=4096, I=2048, k=8)}
 DECODE_GOAL = 2.0  # T=1: bytes read and modelled time within 2x the routed experts' bytes / HBM time
+THRESHOLD_TOKENS = (8, 16, 32, 64, 128)  # the selective-vs-all-expert study's buckets
+THRESHOLD_LNC = 2  # ... at the grid the kernels are served at (trn2's default LNC)
 
 
 def scenarios() -> dict:
@@ -126,34 +128,44 @@ def floor_ms(shape: dict, routed_experts: int, routed_bytes: int, sc: calibratio
             f"floor_{sc.name}_control_ms": control * 1e3}
 
 
-def decode_case(label: str, shape: dict, kw: host.KernelWeights, tokens: int, ids: torch.Tensor, weights: torch.Tensor) -> dict:
+def _build(mode: str, scenario: str) -> tuple:
+    """(vector_blocks, weights-stationary threshold) of the kernels a host with that scenario's calibration builds."""
+    ws = host_routed.WEIGHTS_STATIONARY_MAX_TOKENS_BY_SCENARIO[scenario] if mode == "pow2" else 0
+    return _vector_blocks(mode, scenario), ws
+
+
+def decode_case(label: str, shape: dict, kw: host.KernelWeights, tokens: int, ids: torch.Tensor, weights: torch.Tensor,
+                lnc: int = 1) -> dict:
+    """Selective decode (at its bucket, ``host_routed.selective_bucket``) and the all-expert kernel (at its bucket)
+    on one routing, at grid [lnc], each built as each scenario's host builds it."""
+    from vllm_moe_w8.kernels.nki_cpu import launch as nki_launch
+
     x = torch.randn(tokens, shape["H"]).to(torch.bfloat16)
-    bucket = host.bucket_for(tokens)
-    pad = bucket - tokens
-    xb, wb = host.pad_rows(x, bucket), host.pad_rows(weights, bucket)
-    ib = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
+    bucket, dense_bucket = host_routed.selective_bucket(tokens), host.bucket_for(tokens)
+
+    def padded(rows):
+        return (host.pad_rows(x, rows), host.pad_rows(weights, rows),
+                torch.cat([ids, ids.new_full((rows - tokens, ids.shape[1]), -1)]))
+
+    xb, wb, ib = padded(bucket)
+    xd, wd, idd = padded(dense_bucket)
     used = sorted({int(e) for e in ids.flatten() if e >= 0})
     per_expert = kw.w13[0].numel() + kw.w2[0].numel() + 4 * (kw.w13_scales[0].numel() + kw.w2_scales[0].numel())
     routed = len(used) * per_expert
     t0 = time.perf_counter()
     sel, dense = {}, {}
-    for vb in {_vector_blocks(kw.mode, n) for n in scenarios()}:  # one run per distinct engine schedule
+    by = {n: _build(kw.mode, n) for n in scenarios()}
+    for vb, ws in set(by.values()):  # one run per distinct build
         st = []
-        launch.simulate_routed(xb, wb, ib, kw, lnc=1, stats=st, block=bucket, vector_blocks=vb)
-        sel[vb] = st[0]
-        dn = []
-        if vb is None:
-            launch.simulate_moe(xb, wb, ib, kw, dn)
-        else:
-            _, one = run(launch.KERNELS[kw.mode], *launch.kernel_args(xb, host.dense_affinities(wb, ib, kw.num_experts), kw),
-                         vector_blocks=vb)
-            dn = [one]
-        dense[vb] = dn
-    by = {n: _vector_blocks(kw.mode, n) for n in scenarios()}
-    row = {"shape": label, "mode": kw.mode, "T": tokens, "bucket": bucket, "routed_experts": len(used),
-           "routed_MB": routed / 1e6, "routed_hbm_ms": routed / cost.HBM_BYTES_PER_S * 1e3,
-           **_priced({n: sel[vb] for n, vb in by.items()}, "selective"),
-           **_priced({n: dense[vb] for n, vb in by.items()}, "dense"), "interp_s": time.perf_counter() - t0}
+        launch.simulate_routed(xb, wb, ib, kw, lnc=lnc, stats=st, block=bucket, vector_blocks=vb, stationary_max_tokens=ws)
+        sel[vb, ws] = st[0]
+        consts = {} if vb is None else {"vector_blocks": vb}
+        args = launch.kernel_args(xd, host.dense_affinities(wd, idd, kw.num_experts), kw)
+        dense[vb, ws] = nki_launch(launch.KERNELS[kw.mode], (lnc,), *args, lnc=lnc, **consts)[1]
+    row = {"shape": label, "mode": kw.mode, "T": tokens, "bucket": bucket, "lnc": lnc, "routed_experts": len(used),
+           "routed_MB": routed / 1e6, "routed_hbm_ms": routed / (cost.HBM_BYTES_PER_S * lnc) * 1e3,  # at this grid
+           **_priced({n: sel[b] for n, b in by.items()}, "selective"),
+           **_priced({n: dense[b] for n, b in by.items()}, "dense"), "interp_s": time.perf_counter() - t0}
     row["selective_read/routed"] = row["selective_read_MB"] / max(row["routed_MB"], 1e-12)
     for name, sc in scenarios().items():
         row[f"selective_{name}/routed_hbm"] = row[f"selective_{name}_ms"] / max(row["routed_hbm_ms"], 1e-12)
@@ -183,11 +195,11 @@ def routed_decode(quick: bool) -> None:
                       f"{rows[-1]['selective_fitted_ms']:.3f} ms fitted, {rows[-1]['selective_documented_ms']:.3f} ms "
                       "documented", flush=True)
         kw = random_experts(shape["E"], shape["H"], shape["I"], "pow2")
-        for tokens in ((16, 128) if quick else (16, 32, 64, 128)):  # uniform top-k of E_total: the threshold study
+        for tokens in ((16, 128) if quick else THRESHOLD_TOKENS):  # uniform top-k of E_total: the threshold study
             gen = torch.Generator().manual_seed(tokens)
             w, ids = torch.rand(tokens, shape["E_total"], generator=gen).topk(shape["k"], dim=1)
             ids = torch.where(ids < e, ids, -1)
-            rows.append(decode_case(label, shape, kw, tokens, ids, w / w.sum(dim=1, keepdim=True)))
+            rows.append(decode_case(label, shape, kw, tokens, ids, w / w.sum(dim=1, keepdim=True), THRESHOLD_LNC))
             print(f"  {label} T={tokens}: selective {rows[-1]['selective_fitted_ms']:.3f} vs dense "
                   f"{rows[-1]['dense_fitted_ms']:.3f} ms fitted; {rows[-1]['selective_documented_ms']:.3f} vs "
                   f"{rows[-1]['dense_documented_ms']:.3f} documented", flush=True)
@@ -218,9 +230,12 @@ def routed_decode(quick: bool) -> None:
                                            "selective_cheaper_up_to_by_scenario": crossover,
                                            "schedules": {n: _vector_blocks("pow2", n) for n in names},
                                            "floor": floor_ms.__doc__,
-                                           "scenarios": names, "method": "interpreter counts, LNC=1; T=1 rows pow2 and output-block, threshold rows pow2; "
+                                           "scenarios": names, "method": "interpreter counts; T=1 rows LNC=1, pow2 and output-block; "
+                                           f"threshold rows pow2 at LNC={THRESHOLD_LNC} (per call the slowest program); "
                                            "per scenario kernels/nki_cpu/cost.py estimate(), pow2 kernels built with that "
-                                           "scenario's engine schedule (kernels/schedule.py)",
+                                           "scenario's engine schedule (kernels/schedule.py) and weights-stationary "
+                                           "threshold (host_routed.WEIGHTS_STATIONARY_MAX_TOKENS_BY_SCENARIO)",
+                                           "weights_stationary_max_tokens": host_routed.WEIGHTS_STATIONARY_MAX_TOKENS_BY_SCENARIO,
                                            "assumptions": cost.__doc__})
 
 

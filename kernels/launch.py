@@ -63,16 +63,18 @@ def numpy_arg(t: torch.Tensor) -> np.ndarray:
 
 def simulate_routed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kw: host.KernelWeights, *,
                     lnc: int = 1, stats: list | None = None, swiglu_limit: float = 0.0, block: int | None = None,
-                    vector_blocks: int | None = None) -> torch.Tensor:
+                    vector_blocks: int | None = None, stationary_max_tokens: int | None = None) -> torch.Tensor:
     """Routed sum [T, H] fp32 by the block-scheduled kernel (selective decode or block prefill, host_routed) in the
     interpreter, as an LNC grid; each launch's per-program Stats list is appended to ``stats`` when given.
-    ``vector_blocks``: the pow2 engine schedule (kernels/schedule.py; None: the one loaded from the calibration file)."""
+    ``vector_blocks``: the pow2 engine schedule (kernels/schedule.py; None: the one loaded from the calibration file);
+    ``stationary_max_tokens``: selective decode's weights-stationary threshold (None: the loaded scenario's,
+    ``host_routed.WEIGHTS_STATIONARY_MAX_TOKENS``)."""
     from . import host_routed, routing
     from .nki_cpu import launch as nki_launch
 
     routing.check_routing(topk_ids, kw.num_experts)
     kernel, tensors, consts, program_tokens = host_routed.block_call(x, topk_weights, topk_ids, kw, lnc, swiglu_limit,
-                                                                     block)
+                                                                     block, stationary_max_tokens)
     if vector_blocks is not None and "vector_blocks" in consts:
         consts = {**consts, "vector_blocks": int(vector_blocks)}
     host_routed.check_block_args(tensors, consts, kw.mode, lnc, x.shape[0], topk_ids.shape[1])

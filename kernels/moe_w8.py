@@ -31,7 +31,11 @@ naming the tensor otherwise; the traced kernel body has no ``raise``), P = 128:
                                               the host adds the n partials (n = launch grid = LNC)
 
 Launched as ``kernel[n]`` (n = the LNC the runtime runs at), program p = ``nl.program_id(0)`` takes the
-contiguous expert range [p*ceil(E/n), (p+1)*ceil(E/n)): each weight byte is read by one logical core.
+contiguous expert range [p*ceil(E/n), (p+1)*ceil(E/n)): each weight byte is read by one logical core. When the
+experts do not divide evenly (E % n != 0, e.g. GLM-5.3-Flash's 9 local experts at LNC 2: 5 + 4) and each program's
+share of I is whole 512-column slabs (:func:`split_inter`, a shape rule), every program takes every expert over its
+own I / n intermediate rows instead (gate and up rows [p I/n, (p+1) I/n), the down projection over them: a partial
+sum, added by the host like the expert split's), so the programs carry E / n experts each.
 
 H and I are any multiples of 128. Codes are the op's storage (DEVELOPING.md) re-laid out once at load
 time by ``host.to_kernel_layout`` so that every weight DMA reads 128 partitions x (contraction blocks x
@@ -90,20 +94,36 @@ def moe_w8_output_block(hidden, w13, w13_scales, w2, w2_scales, affinities, swig
     return _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, OUTPUT_BLOCK, float(swiglu_limit), 0)
 
 
+def split_inter(experts: int, programs: int, inter: int) -> bool:
+    """Whether the dense kernel's programs split each expert's intermediate instead of the experts (a shape rule):
+    when the experts do not divide evenly among them and each share of I is whole 512-column slabs."""
+    return programs > 1 and experts % programs != 0 and inter % (programs * SLAB) == 0
+
+
+def inter_start(pid, rows):
+    """First intermediate row of program ``pid``'s share of I when the programs split it (``rows`` rows each)."""
+    return pid * rows
+
+
 def _moe(hidden, w13, w13_scales, w2, w2_scales, affinities, mode, swiglu_limit, vector_blocks):
     dims = _dims(hidden, w13, mode)
-    t, h, e_local, _inter, _gh, gi, g13, g2, tt_rows, n_tt = dims
+    t, h, e_local, inter, _gh, gi, g13, g2, tt_rows, n_tt = dims
     programs = nl.num_programs(axes=0)
     pid = nl.program_id(axis=0)
     per_program = (e_local + programs - 1) // programs
+    first, last = pid * per_program, min(e_local, (pid + 1) * per_program)
+    share = (inter, 0)  # (rows, first row) of I this program computes
+    if split_inter(e_local, programs, inter):
+        first, last = 0, e_local
+        share = (inter // programs, inter_start(pid, inter // programs))
     out = nl.ndarray((programs, t, h), dtype=nl.float32, buffer=nl.shared_hbm)
     ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
     h_t, aff, acc = _load_tokens(hidden, affinities, dims)
     sc13_rows = w13_scales.reshape((e_local, 1, 2 * gi * g13))
     sc2_rows = w2_scales.reshape((e_local, 1, (h // P) * g2))
-    for e in nl.sequential_range(pid * per_program, min(e_local, (pid + 1) * per_program)):
-        _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, swiglu_limit, vector_blocks)
+    for e in nl.sequential_range(first, last):
+        _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, swiglu_limit, vector_blocks, share)
     for tt in range(n_tt):
         nisa.dma_copy(dst=out[pid, tt * tt_rows:(tt + 1) * tt_rows, :], src=acc[:, tt, :])
     return out
@@ -188,20 +208,35 @@ def _load_w13(w13, e, inter, c0, w):
     return w_gate, w_up
 
 
-def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, limit, vector_blocks):
+def _load_w13_share(w13, e, inter, i0, rows):
+    """[P, gH, 2 rows] uint8: gate columns [i0, i0 + rows) then the same up columns of expert e (one DMA): a program's
+    share of I when the programs split it."""
+    e_all, _p, gh, _two_i = w13.shape
+    both = nl.ndarray((P, gh, 2 * rows), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.dma_copy(dst=both, src=w13.reshape((e_all, P, gh, 2, inter))[e, :, :, :, i0:i0 + rows])
+    return both
+
+
+def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, limit, vector_blocks, share):
     t, h, _e_local, inter, gh, gi, g13, g2, tt_rows, n_tt = dims
+    rows_i, i0 = share  # the intermediate rows [i0, i0 + rows_i) this program computes (all of I unless split)
     scales, (s13, s2) = _broadcast_rows((sc13_rows[e], sc2_rows[e]), tt_rows, ones)  # [TT, 2gI*G13 + gH*G2]
     sc13 = scales[:, s13:s2]
     sc2 = scales[:, s2:s2 + (h // P) * g2]
-    act = nl.ndarray((tt_rows, n_tt, inter), dtype=nl.bfloat16, buffer=nl.sbuf)
+    act = nl.ndarray((tt_rows, n_tt, rows_i), dtype=nl.bfloat16, buffer=nl.sbuf)
     counter = 0  # the expert's pow2 block count: the engine schedule's index
 
+    both = _load_w13_share(w13, e, inter, i0, rows_i) if rows_i < inter else None  # a split share: one DMA
+
     # gate / up projections, 512 intermediate columns at a time
-    for c0 in range(0, inter, SLAB):
-        w = min(SLAB, inter - c0)
-        w_gate, w_up = _load_w13(w13, e, inter, c0, w)
-        gate0 = c0 // P  # first gate row block of this slab in the w13 scale grid; up rows follow all gi gate blocks
-        up0 = gi + c0 // P
+    for c0 in range(0, rows_i, SLAB):
+        w = min(SLAB, rows_i - c0)
+        if both is None:
+            w_gate, w_up = _load_w13(w13, e, inter, c0, w)
+        else:
+            w_gate, w_up = both[:, :, c0:c0 + w], both[:, :, rows_i + c0:rows_i + c0 + w]
+        gate0 = (i0 + c0) // P  # first gate row block of this slab in the w13 scale grid; up rows follow gI gate blocks
+        up0 = gi + (i0 + c0) // P
         for tt in range(n_tt):
             cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
             silu = nl.ndarray((tt_rows, w), dtype=nl.float32, buffer=nl.sbuf)
@@ -248,15 +283,18 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
                 nisa.tensor_tensor(dst=act[:, tt, c0:c0 + w], data1=up, data2=silu, op=nl.multiply,
                                    engine=nisa.engine.gpsimd if vector_blocks > 0 else nisa.engine.vector)
 
-    # activation^T [P, I/P, T] bf16: the stationary operand of the down projection
-    act_t = _transpose_act(act, gi, t, tt_rows, n_tt)
+    # activation^T [P, I'/P, T] bf16: the stationary operand of the down projection
+    g_s = rows_i // P
+    k0 = i0 // P
+    act_t = _transpose_act(act, g_s, t, tt_rows, n_tt)
 
     # down projection, 512 hidden columns at a time, added into the fp32 accumulators; its weights arrive
-    # DOWN_DMA_COLS columns per DMA
-    for d0 in range(0, h, DOWN_DMA_COLS):
-        dw = min(DOWN_DMA_COLS, h - d0)
-        w_down_all = nl.ndarray((P, gi, dw), dtype=nl.uint8, buffer=nl.sbuf)
-        nisa.dma_copy(dst=w_down_all, src=w2[e, :, :, d0:d0 + dw])
+    # DOWN_DMA_COLS x (I / I') columns per DMA (the same bytes per DMA for a share of I)
+    down_cols = min(h, DOWN_DMA_COLS * gi // g_s)
+    for d0 in range(0, h, down_cols):
+        dw = min(down_cols, h - d0)
+        w_down_all = nl.ndarray((P, g_s, dw), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w_down_all, src=w2[e, :, k0:k0 + g_s, d0:d0 + dw])
         for h0 in range(d0, d0 + dw, SLAB):
             w = min(SLAB, d0 + dw - h0)
             w_down = w_down_all[:, :, h0 - d0:h0 - d0 + w]
@@ -265,12 +303,12 @@ def _expert(e, h_t, aff, acc, ones, w13, sc13_rows, w2, sc2_rows, dims, mode, li
                 cols = slice(tt * tt_rows, (tt + 1) * tt_rows)
                 out_slab = acc[:, tt, h0:h0 + w]
                 if mode == OUTPUT_BLOCK:
-                    res = _contract(act_t, cols, w_down, gi, tt_rows, w)
+                    res = _contract(act_t, cols, w_down, g_s, tt_rows, w)
                     for nb in range(w // P):
                         c = _scale_col(down0, nb, 0, g2)
                         out_blk = out_slab[:, nb * P:(nb + 1) * P]
                         nisa.scalar_tensor_tensor(dst=out_blk, data=res[:, nb * P:(nb + 1) * P], op0=nl.multiply,
                                                   operand0=sc2[:, c:c + 1], op1=nl.add, operand1=out_blk)
                 else:  # every block's scaled partial straight into the accumulator
-                    counter = block_scale.contract_pow2(act_t, cols, w_down.view(nl.float8_e4m3), gi, sc2, down0, g2, tt_rows, w,
-                                             out_slab, False, counter, vector_blocks)
+                    counter = block_scale.contract_pow2(act_t, cols, w_down.view(nl.float8_e4m3), g_s, sc2[:, k0:], down0, g2,
+                                                        tt_rows, w, out_slab, False, counter, vector_blocks)

@@ -3,30 +3,30 @@
 The schedule is data, not code: the routing metadata (:mod:`.routing`, device tensors made by traceable torch
 ops) say which hidden rows each block gathers, with which weights, through which local expert; the kernel
 walks the used blocks in a dynamic loop (``nl.dynamic_range`` over a register loaded from ``block_range``),
-keeps the block index in an SBUF tile, fetches the block's expert id by scalar-offset DMA, the expert's
-weights and scales by scalar-offset DMA (``.ap(scalar_offset=expert, indirect_dim=0)``), the block's token rows
-by vector-offset DMA, and stores each row's result into its token's output row: the token's first row in the
-program's blocks by a plain indirect write (``nisa.dma_copy`` to ``out.ap(vector_offset=...)``), its later rows by
-a DMA read-modify-write (``nisa.dma_compute``); both with ``oob_mode.skip``, each row's index in the other column
-of ``position_store`` (and a padding row's in both) being T + position, past the [T, H] output, so the DMA moves
-nothing for it: the top-k contributions of a token are combined on the device (:func:`plain_first_rows`: always
-without a zero fill; with one, per mode, and never in selective decode, where every row adds). At one program and
-in selective decode the slab is zero-filled first (:func:`zero_fill`); in block prefill at LNC > 1 it is not - a
-slab row its program never stores stays unwritten and the host sum selects each slab by ``program_tokens``. Order:
-a block holds at most one row of a token (routing sums a duplicate route into one row), so its write and its add
-never address the same row; a later block's add of a token follows the earlier block's write of it on the same
-``out`` tensor, the dependency the adds of consecutive blocks already had. An expert's
-scales - and its codes when they fit SBUF (:func:`resident_weights`, a shape rule) - are loaded once per run of
-consecutive blocks of that expert: ``block_load_expert`` is the expert there and E elsewhere, and the loading DMAs
-(``oob_mode.skip``) move nothing for E, so the previous expert's stay in SBUF - no dynamic loop, the bytes of
-the former 0/1-trip reload loop; when T <= B (selective decode) every block is a new expert by construction and
-they are loaded per block from ``block_to_expert``. Otherwise the codes stream per block. Nothing in the kernel's
-Python constants or shapes depends on the routing: one compile per (T, B, N) bucket; work and weight bytes
-follow the used blocks.
+fetches each block's expert id by scalar-offset DMA and the expert's weights and scales by scalar-offset DMA
+(``.ap(scalar_offset=expert, indirect_dim=0)``). Nothing in the kernel's Python constants or shapes depends on
+the routing: one compile per (T, B, N) bucket; work and weight bytes follow the used blocks.
 
-* B = the decode bucket (<= 128) and T <= the selective threshold: **selective decode** - one block per routed
-  local expert, so a T=1 call reads only its routed experts' weights and scales.
-* B = 128: **block prefill** - static capacity N = ceil((T*k - (E-1)) / 128) + E - 1 blocks.
+* T <= B (the selective bucket, <= 128): **selective decode** (:mod:`.selective_decode`) - one block per routed
+  local expert, so a T=1 call reads only its routed experts' weights and scales. Every block's rows are the token
+  rows, so the tokens are loaded and transposed once, each block's down projection is added into one SBUF
+  accumulator and the slab is stored once; token- or weights-stationary (``stationary_weights``, pow2).
+* B = 128: **block prefill** (here) - static capacity N = ceil((T*k - (E-1)) / 128) + E - 1 blocks. The program
+  keeps the block index in an SBUF tile, gathers the block's token rows by vector-offset DMA, and stores each row's
+  result into its token's output row: the token's first row in the program's blocks by a plain indirect write
+  (``nisa.dma_copy`` to ``out.ap(vector_offset=...)``), its later rows by a DMA read-modify-write
+  (``nisa.dma_compute``); both with ``oob_mode.skip``, each row's index in the other column of ``position_store``
+  (and a padding row's in both) being T + position, past the [T, H] output, so the DMA moves nothing for it: the
+  top-k contributions of a token are combined on the device (:func:`plain_first_rows`: always without a zero fill;
+  with one, per mode). At one program the slab is zero-filled first (:func:`zero_fill`); at LNC > 1 it is not - a
+  slab row its program never stores stays unwritten and the host sum selects each slab by ``program_tokens``.
+  Order: a block holds at most one row of a token (routing sums a duplicate route into one row), so its write and
+  its add never address the same row; a later block's add of a token follows the earlier block's write of it on the
+  same ``out`` tensor, the dependency the adds of consecutive blocks already had. An expert's scales - and its codes
+  when they fit SBUF (:func:`resident_weights`, a shape rule) - are loaded once per run of consecutive blocks of
+  that expert: ``block_load_expert`` is the expert there and E elsewhere, and the loading DMAs (``oob_mode.skip``)
+  move nothing for E, so the previous expert's stay in SBUF - no dynamic loop, the bytes of the former 0/1-trip
+  reload loop. Otherwise the codes stream per block.
 
 Arguments (checked on the host before every launch by ``host_routed.check_block_args``), P = 128:
 
@@ -40,7 +40,12 @@ Arguments (checked on the host before every launch by ``host_routed.check_block_
     block_range           [n, 2]            int32    (first block, block count) of program p
     swiglu_limit          float (trace-time constant): > 0 clamps gate <= limit and |up| <= limit
     split_inter           int (trace-time constant, ``host_routed.split_inter``): 1 splits I across the programs
+    stationary_weights    int (trace-time constant, pow2, ``host_routed.stationary_weights``): selective decode
+                          weights-stationary (kernels/weights_stationary.py)
     returns               [n, T, H]         float32  program p's partial sums (host: routing.combine)
+
+In selective decode ``token_position_to_id``, ``position_store`` and ``block_load_expert`` are not read (the rows
+are the token rows; every block is a new expert).
 
 Launched as ``kernel[n]`` (n = LNC): program p = ``nl.program_id(0)`` computes blocks
 [first_p, first_p + count_p) and writes only its own output slab (no cross-core read-modify-write; at LNC > 1
@@ -57,6 +62,7 @@ from .moe_w8 import POW2_SCHEDULE
 from .nki_api import nisa, nki, nl
 from .projections import (OUTPUT_BLOCK, POW2, broadcast_row, down_slab, expert_rows, gate_up_act, load_expert,
                           transpose_rows)
+from .selective_decode import selective_decode
 
 P = 128
 SLAB = 512
@@ -66,12 +72,13 @@ RESIDENT_BYTES = 64 * 1024  # SBUF per partition an expert's codes may keep acro
 @nki.jit
 def moe_w8_blocks_pow2(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
                        block_to_expert, block_load_expert, block_range, swiglu_limit=0.0,
-                       vector_blocks=POW2_SCHEDULE.vector_blocks, split_inter=0):
+                       vector_blocks=POW2_SCHEDULE.vector_blocks, split_inter=0, stationary_weights=0):
     """Block-scheduled routed MoE with exact 128x128 block scales (pow2 repack). ``vector_blocks`` (trace-time
-    constant, the dense kernel's): of every ``schedule.BLOCK_PERIOD`` block scale-adds, how many run on VectorE."""
+    constant, the dense kernel's): of every ``schedule.BLOCK_PERIOD`` block scale-adds, how many run on VectorE;
+    ``stationary_weights`` (selective decode only): the weights-stationary dataflow (kernels/weights_stationary.py)."""
     return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
                    block_to_expert, block_load_expert, block_range, POW2, float(swiglu_limit), int(vector_blocks),
-                   int(split_inter))
+                   int(split_inter), int(stationary_weights))
 
 
 @nki.jit
@@ -81,7 +88,7 @@ def moe_w8_blocks_output_block(hidden, w13, w13_scales, w2, w2_scales, token_pos
     """Block-scheduled routed MoE with one scale per 128 output rows (output-block repack)."""
     return _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
                    block_to_expert, block_load_expert, block_range, OUTPUT_BLOCK, float(swiglu_limit), 0,
-                   int(split_inter))
+                   int(split_inter), 0)
 
 
 def resident_weights(hidden: int, inter: int) -> bool:
@@ -90,10 +97,11 @@ def resident_weights(hidden: int, inter: int) -> bool:
 
 
 def zero_fill(programs: int, tokens: int, block: int) -> bool:
-    """Whether the kernel zero-fills its output slab (a trace-time rule of the grid and the bucket, never of the
-    routing): at one program (the slab is the result) and in selective decode (T <= B: a slab of <= 32 rows costs
-    less than a second indirect store per block); not in block prefill at LNC > 1, where each slab holds only its
-    program's rows and ``routing.combine`` selects them (``host_routed.block_call``'s ``program_tokens``)."""
+    """Whether every row of the kernel's output slab is written (a trace-time rule of the grid and the bucket, never
+    of the routing): in block prefill at one program (zero-filled first: the slab is the result) and in selective
+    decode (T <= B: the slab is stored whole from its SBUF accumulator, kernels/selective_decode.py); not in block
+    prefill at LNC > 1, where each slab holds only its program's rows and ``routing.combine`` selects them
+    (``host_routed.block_call``'s ``program_tokens``)."""
     return programs == 1 or tokens <= block
 
 
@@ -115,11 +123,6 @@ def plain_first_rows(programs: int, tokens: int, block: int, mode: str) -> bool:
 PLAIN_FIRST_AT_ONE_PROGRAM = {POW2: False, OUTPUT_BLOCK: True}
 
 
-def inter_start(pid, share):
-    """First intermediate row of program ``pid``'s share of I when the intermediate is split (``share`` rows each)."""
-    return pid * share
-
-
 def _zero_output(out, pid, rows_total, hidden):
     """Program pid's output slab [rows_total, hidden] := 0 (the read-modify-writes add into it)."""
     zeros = nl.ndarray((P, hidden), dtype=nl.float32, buffer=nl.sbuf)
@@ -130,21 +133,19 @@ def _zero_output(out, pid, rows_total, hidden):
 
 
 def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, position_weight, position_store,
-            block_to_expert, block_load_expert, block_range, mode, limit, vector_blocks, split_inter):
+            block_to_expert, block_load_expert, block_range, mode, limit, vector_blocks, split_inter,
+            stationary_weights):
     rows_total, h = hidden.shape
     _n_blocks, b = token_position_to_id.shape
     tokens = rows_total - b  # the output holds the tokens only: padding rows (T + position) fall past it
+    if tokens <= b:  # selective decode: block rows are token rows (kernels/selective_decode.py)
+        return selective_decode(hidden, w13, w13_scales, w2, w2_scales, position_weight, block_to_expert, block_range,
+                                mode, limit, vector_blocks, split_inter, stationary_weights)
     _e, _p, g_h, two_i = w13.shape
     inter = two_i // 2
     programs = nl.num_programs(axes=0)
     pid = nl.program_id(axis=0)
-    share = inter
-    i0 = 0
-    if split_inter:  # every program walks every block, over its own I / n rows (host_routed.split_inter decides)
-        share = inter // programs
-        assert tokens <= b and share * programs == inter and share % P == 0, "split_inter: selective decode, I / n % 128 == 0"
-        i0 = inter_start(pid, share)
-    dims = (b, g_h, share, share // P, w13_scales.shape[2], w2_scales.shape[2], limit, vector_blocks)
+    dims = (b, g_h, inter, inter // P, w13_scales.shape[2], w2_scales.shape[2], limit, vector_blocks)
     out = nl.ndarray((programs, tokens, h), dtype=nl.float32, buffer=nl.shared_hbm)
     if zero_fill(programs, tokens, b):  # the tokens no block stores must read 0 (else routing.combine selects)
         _zero_output(out, pid, tokens, h)
@@ -158,7 +159,7 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
     state = (ones, rows13, rows2, sc13, sc2)
     res13 = None
     res2 = None
-    if resident_weights(h, inter) and not split_inter:  # a share streams only its own rows
+    if resident_weights(h, inter):
         res13 = nl.ndarray((P, g_h, two_i), dtype=nl.uint8, buffer=nl.sbuf)
         res2 = nl.ndarray((P, inter // P, h), dtype=nl.uint8, buffer=nl.sbuf)
     share = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)  # (first block, block count): one DMA
@@ -170,14 +171,12 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
         expert = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=expert, src=block_to_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
                                                          indirect_dim=0))
-        load = expert  # selective decode (T <= B): an expert's rows (<= T) fill one block, every block is a new expert
-        if tokens > b:  # the expert where it changes, else E: the loads below move nothing and SBUF keeps the last one
-            load = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=load, src=block_load_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
-                                                             indirect_dim=0))
+        load = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)  # the expert where it changes, else E: nothing moves
+        nisa.dma_copy(dst=load, src=block_load_expert.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=block,
+                                                         indirect_dim=0))
         _load_expert_state(load, w13, w13_scales, w2, w2_scales, b, state, res13, res2)
         _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight,
-                   position_store, out, pid, dims, mode, i0)
+                   position_store, out, pid, dims, mode)
         nisa.tensor_scalar(dst=block, data=block, op0=nl.add, operand0=1)
     return out
 
@@ -195,7 +194,7 @@ def _load_expert_state(expert, w13, w13_scales, w2, w2_scales, b, state, res13, 
 
 
 def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_position_to_id, position_weight,
-               position_store, out, pid, dims, mode, i0):
+               position_store, out, pid, dims, mode):
     b, g_h, _inter, g_i, _g13, _g2, _limit, _vector_blocks = dims
     rows_total, h = hidden.shape
     ids = nl.ndarray((b, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -205,12 +204,12 @@ def _one_block(block, expert, hidden, w13, w2, sc13, sc2, res13, res2, token_pos
     x = nl.ndarray((b, h), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.dma_copy(dst=x, src=hidden.ap(pattern=[[h, b], [1, h]], offset=0, vector_offset=ids, indirect_dim=0))
     h_t = transpose_rows(x, b, g_h, nl.bfloat16)
-    act, counter = gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, res13, i0)
+    act, counter = gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, res13)
     act_t = transpose_rows(act, b, g_i, nl.bfloat16)
     y = nl.ndarray((b, h), dtype=nl.float32, buffer=nl.sbuf)  # the block's rows, added to their tokens in one DMA
     for h0 in range(0, h, SLAB):
         w = min(SLAB, h - h0)
-        _y, counter = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2, counter, i0)
+        _y, counter = down_slab(act_t, w2, sc2, expert, h0, w, dims, mode, y[:, h0:h0 + w], res2, counter)
     tokens = rows_total - b
     add_ids = ids  # one program: every row adds into the zero-filled slab (padding rows: T + row, skipped)
     if plain_first_rows(nl.num_programs(axes=0), tokens, b, mode):

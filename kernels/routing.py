@@ -13,7 +13,9 @@ Layout (B rows per block; T tokens, E local experts, n programs):
   and the rest in one expert; nki-library's ``bwmm_shard_on_I`` uses the same static capacity).
 * ``token_position_to_id [N, B] int32``: the hidden row each block row gathers; padding rows point at the
   zero rows T + (position mod B) of the kernel's padded hidden [T + B, H]; past the kernel's [T, H] output, so
-  its scatter-add skips them (``oob_mode.skip``: no bytes move for padding).
+  its scatter-add skips them (``oob_mode.skip``: no bytes move for padding). In selective decode (T <= B) a
+  block's rows are the token rows: row t is token t where it is routed to the block's expert, padding (T + t,
+  weight 0) where not - so the kernel (kernels/selective_decode.py) needs neither the gather nor the stores.
 * ``position_weight [N, B] float32``: the routing weight of that row (0 on padding); a token routed twice
   to the same expert gets one row with the summed weight.
 * ``position_store [N, B, 2] int32``: where the kernel stores each block row's result in its program's output
@@ -101,7 +103,10 @@ def block_schedule(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_exper
     blocks = (counts + b - 1) // b
     ends = torch.cumsum(blocks, dim=0)
     starts = ends - blocks
-    rank = torch.cumsum(routed.long(), dim=0) - 1  # row of (t, e) among expert e's rows
+    if tokens <= b:  # selective decode: one block per routed expert, row t of it is token t (padding where unrouted)
+        rank = torch.arange(tokens, device=dev)[:, None].expand(tokens, e)
+    else:
+        rank = torch.cumsum(routed.long(), dim=0) - 1  # row of (t, e) among expert e's rows
     dump = n * b  # one slot past the schedule for the routes that are not routed
     pos = torch.where(routed, starts[None, :] * b + rank, dump).reshape(-1)
     token = torch.arange(tokens, device=dev)[:, None].expand(tokens, e).reshape(-1)

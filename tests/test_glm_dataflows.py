@@ -29,7 +29,7 @@ def _reproduces(recorded: float, recomputed: float, band: float = REPRODUCE_BAND
     return abs(recomputed - recorded) <= band * abs(recorded)
 
 
-@pytest.mark.parametrize("tokens", [1, 64, 200])  # selective, dense, block prefill (fitted thresholds)
+@pytest.mark.parametrize("tokens", [1, 100, 200])  # selective, dense, block prefill (fitted thresholds)
 def test_our_counts_are_the_interpreters_counts_of_the_glues_launch(tokens):
     """bench.ours rebuilds the launch per scenario; for the scenario this host loads (no calibration file: fitted) it
     must be exactly the launch run_routed_experts makes, counted by the interpreter program by program."""
@@ -139,3 +139,44 @@ def test_committed_rows_cover_the_brief_and_price_our_served_launch():
         for sc in calibration.SCENARIOS:
             assert r[f"ours_{sc}_kernel"] == bench.which_kernel(r["T"], sc)
             assert r[f"ours_{sc}_us"] > 0 and r[f"fork_{sc}_us"] > 0
+
+
+def test_the_executed_vs_restated_check_compares_counters_not_peaks():
+    """bench_glm_kernels --fork-folder refuses a restatement that counts differently from the executed kernel, and only
+    then: the peaks (SBUF / PSUM a restatement never allocates) are not counters; a changed counter is named."""
+    import copy
+
+    restated = gd.fused_fp8([3, 1], 256, 256, 2, True, [])
+    executed = copy.deepcopy(restated)
+    for st in executed:
+        st.peak_sbuf_bytes, st.peak_psum_banks = 96 * 1024, 4
+    assert bench.same_counters(executed, restated) and bench.counter_differences(executed, restated) == []
+    executed[1].dma_count += 1  # FAULT: one DMA more in program 1
+    assert not bench.same_counters(executed, restated)
+    assert bench.counter_differences(executed, restated) == [
+        f"program 1: dma_count {restated[1].dma_count + 1} != {restated[1].dma_count}"]
+
+
+def test_the_aws_side_by_side_prices_the_forks_kernel_as_the_glm_bench_does():
+    """benchmarks/bench_aws_moe.py's fork column (GLM-5.3-Flash EP=32): every committed row's fork figure is what
+    ``bench.fork`` computes at that routing from the restatement (which counts what the executed fused kernel counts),
+    within the band; the fault twin - the fork's per-block scale step dropped - leaves it at T=128 documented."""
+    from benchmarks import bench_aws_moe as aws
+
+    data = json.loads((RESULTS.parent / "aws_moe.json").read_text())
+    shape = aws.SHAPES["GLM-5.3-Flash EP=32"]
+    rows = [r for r in data["rows"] if r["shape"] == "GLM-5.3-Flash EP=32"]
+    assert sorted(r["T"] for r in rows) == sorted(set(aws.DECODE) | set(aws.PREFILL))
+    assert all("fork_fitted_us" not in r for r in data["rows"] if r["shape"] != "GLM-5.3-Flash EP=32")
+
+    def fork_us(t: int, scenario: str, scale_ops: bool = True) -> float:
+        _, ids = aws.routing_for(shape, t)
+        _, programs, _ = bench.fork(shape, t, ids, scale_ops)
+        return max(cost.estimate(s, calibration.SCENARIOS[scenario]).time_s for s in programs) * 1e6
+
+    for r in rows:
+        assert r["fork_dataflow"] == bench.fork_dataflow(shape, r["T"])
+        for sc in calibration.SCENARIOS:
+            assert _reproduces(r[f"fork_{sc}_us"], fork_us(r["T"], sc)), (r["T"], sc)
+    r128 = next(r for r in rows if r["T"] == 128)
+    assert not _reproduces(r128["fork_documented_us"], fork_us(128, "documented", scale_ops=False))

@@ -28,9 +28,10 @@ def qwen_layers(qwen_ckpt):
     return {mode: kc.repacked(qwen_ckpt, mode) for mode in ("pow2", "output-block")}
 
 
-def gate(layer, tokens, top_k, lnc, seed, fault=None, swiglu_limit=0.0, empty_expert=None, vector_blocks=None):
+def gate(layer, tokens, top_k, lnc, seed, fault=None, swiglu_limit=0.0, empty_expert=None, vector_blocks=None,
+         stationary_max_tokens=None):
     """(passed, err/bound, stats) of one simulate_routed call vs the reference; ``fault(kw)`` corrupts the kernel's
-    copy of the weights only."""
+    copy of the weights only; ``stationary_max_tokens`` the weights-stationary threshold (None: the loaded one)."""
     w13, s13, w2, s2, block = layer
     kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
     if fault is not None:
@@ -40,7 +41,7 @@ def gate(layer, tokens, top_k, lnc, seed, fault=None, swiglu_limit=0.0, empty_ex
     tw, ti = kc.routing(tokens, w13.shape[0], top_k, seed, empty_expert)
     stats = []
     out = launch.simulate_routed(x, tw, ti, kw, lnc=lnc, stats=stats, swiglu_limit=swiglu_limit,
-                                 vector_blocks=vector_blocks)
+                                 vector_blocks=vector_blocks, stationary_max_tokens=stationary_max_tokens)
     ref = kc.reference_moe(x, tw, ti, w13, s13, w2, s2, *block, "e4m3", swiglu_limit=swiglu_limit)
     ok, _err, ratio = kc.within_bound(out, ref, kc.error_bound(x, tw, ti, w13, s13, w2, s2, block, swiglu_limit))
     unrouted = ((ti < 0) | (tw == 0)).all(dim=1)
@@ -53,6 +54,25 @@ def gate(layer, tokens, top_k, lnc, seed, fault=None, swiglu_limit=0.0, empty_ex
 def test_block_kernels_match_the_reference(qwen_layers, mode, tokens, lnc):
     ok, ratio, _ = gate(qwen_layers[mode], tokens, top_k=4, lnc=lnc, seed=tokens, empty_expert=3)
     assert ok, f"err/bound {ratio:.3f}"
+
+
+WS_ON = 128  # stationary_max_tokens: weights-stationary wherever host_routed.stationary_weights' shape rule allows
+
+
+@pytest.mark.parametrize("tokens,lnc,vector_blocks", [(1, 1, 0), (1, 2, 5), (5, 2, 0), (16, 1, 5)])
+def test_weights_stationary_selective_decode_matches_the_reference(qwen_layers, tokens, lnc, vector_blocks):
+    """Selective decode weights-stationary (kernels/weights_stationary.py; T = 1 at LNC 2 splits I = 512 into 256-row
+    shares) passes the same gate as token-stationary, the scale-adds batched per PSUM bank on VectorE."""
+    from vllm_moe_w8.kernels import host_routed
+
+    bucket = host_routed.selective_bucket(tokens)
+    assert host_routed.stationary_weights(bucket, bucket, lnc, QWEN["H"], QWEN["I"], "pow2", WS_ON)
+    ok, ratio, stats = gate(qwen_layers["pow2"], tokens, top_k=4, lnc=lnc, seed=tokens, empty_expert=3,
+                            vector_blocks=vector_blocks, stationary_max_tokens=WS_ON)
+    assert ok, f"err/bound {ratio:.3f}"
+    if BACKEND == "interpreter":
+        ops = {(eng, op) for st in stats[0] for (eng, op, _p, _f) in st.engine_ops}
+        assert ("vector", "tensor_reduce") in ops and ("vector", "scalar_tensor_tensor") not in ops
 
 
 @pytest.mark.parametrize("tokens", [3, 260])
@@ -93,6 +113,20 @@ def test_the_gate_refuses_a_doubled_scale_tile_in_every_schedule(qwen_layers, sc
     assert not ok and ratio > 1, scenario
 
 
+@pytest.mark.parametrize("which", ["w13", "w2"])
+def test_the_gate_refuses_a_doubled_scale_tile_weights_stationary(qwen_layers, which):
+    """Fault twin of the weights-stationary scale views (block j's k-th scale at nb * G + k, broadcast along T): one
+    tile of a routed expert doubled must fail the gate."""
+    def double_tile(kw):
+        if which == "w13":
+            kw.w13_scales[0, 5, 9] *= 2  # an up-projection tile (I = 512: output blocks 4..7 are up's)
+        else:
+            kw.w2_scales[0, 11, 2] *= 2
+
+    ok, ratio, _ = gate(qwen_layers["pow2"], 3, top_k=4, lnc=1, seed=3, fault=double_tile, stationary_max_tokens=WS_ON)
+    assert not ok and ratio > 1
+
+
 def test_the_gate_refuses_swapped_gate_and_up(qwen_layers):
     def swap(kw):
         inter = kw.w13.shape[3] // 2
@@ -110,24 +144,29 @@ def test_glm_width_selective_decode_with_swiglu_clamp():
 
 
 @interpreter_only
-def test_decode_reads_only_the_routed_experts():
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_decode_reads_only_the_routed_experts(max_tokens):
     """T=1 routed to experts 3 and 11 of 16 local: the selective kernel reads those two experts' weights and
-    scales (plus the token, its routing metadata and the output's zero fill), the dense kernel all 16."""
+    scales, the token once and each block's metadata, and writes the token's output row once (accumulated in SBUF:
+    no zero fill, no read-modify-write) - token- and weights-stationary alike; the dense kernel reads all 16."""
+    from vllm_moe_w8.kernels import host_routed
+
     layer = kc.repacked(kc.checkpoint_experts(16, 256, 256, seed=7), "pow2")
     kw = host.to_kernel_layout(*layer[:4], *layer[4], "e4m3")
     x = torch.randn(1, 256).to(torch.bfloat16)
     ids, tw = torch.tensor([[3, 11, -1, -1]]), torch.tensor([[0.5, 0.25, 0.125, 0.125]])
     expert_bytes = (kw.w13[0].numel() + kw.w2[0].numel() + 4 * (kw.w13_scales[0].numel() + kw.w2_scales[0].numel()))
+    assert host_routed.selective_bucket(1) == 1 and host_routed.stationary_weights(1, 1, 1, 256, 256, "pow2", max_tokens) \
+        == bool(max_tokens)
     selective = []
-    launch.simulate_routed(x, tw, ids, kw, lnc=1, stats=selective)
+    launch.simulate_routed(x, tw, ids, kw, lnc=1, stats=selective, stationary_max_tokens=max_tokens)
     dense = []
     launch.simulate_moe(x, tw, ids, kw, dense)
     sel, den = selective[0][0], dense[0]
-    rows = 16  # the T=1 decode bucket: one block of 16 rows per routed expert
-    per_block = rows * 256 * 2 + 256 * 4 + rows * 8 + 8  # gathered rows (bf16), the token's output row (fp32), metadata
-    assert 2 * expert_bytes <= sel.hbm_read_bytes <= 2 * (expert_bytes + per_block) + 64
-    # writes: the zero fill of the token's output row, then that row once per routed expert - padding rows skipped
-    assert sel.hbm_write_bytes == 256 * 4 + 2 * 256 * 4
+    per_call = 256 * 2 + 8  # the token row (bf16) and the program's block range
+    per_block = 4 + 4  # the block's expert id and its token weight
+    assert sel.hbm_read_bytes == 2 * (expert_bytes + per_block) + per_call
+    assert sel.hbm_write_bytes == 256 * 4  # the token's output row, once
     assert den.hbm_read_bytes >= 16 * kw.w13[0].numel()
     # one dynamic trip per routed expert's block and no 0/1 reload loop (T <= B: every block is a new expert)
     assert (sel.dynamic_iterations, sel.register_loads) == (2, 1)
@@ -220,8 +259,10 @@ def test_lnc2_selective_decode_splits_a_lone_experts_intermediate(split_layers, 
 
     w13, s13, w2, s2, block = split_layers[mode]
     kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
-    assert host_routed.split_inter(1, host.bucket_for(1), 2, SPLIT["I"])
-    assert not host_routed.split_inter(1, 16, 1, SPLIT["I"]) and not host_routed.split_inter(1, 16, 2, QWEN["I"])
+    assert host_routed.split_inter(1, host_routed.selective_bucket(1), 2, SPLIT["I"])
+    assert host_routed.split_inter(8, 8, 2, SPLIT["I"]) and not host_routed.split_inter(1, 1, 1, SPLIT["I"])
+    # 256-row shares (Qwen3.5's I = 512 at LNC 2) only at bucket 1, where a lone block would leave a core idle
+    assert host_routed.split_inter(1, 1, 2, QWEN["I"]) and not host_routed.split_inter(2, 2, 2, QWEN["I"])
     x = torch.randn(1, SPLIT["H"], generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
     ids, tw = torch.tensor([[2, -1, -1, -1]]), torch.tensor([[0.75, 0.0, 0.0, 0.0]])
     one, two = [], []
@@ -231,10 +272,11 @@ def test_lnc2_selective_decode_splits_a_lone_experts_intermediate(split_layers, 
     assert _fp8_matmuls(st1) > 0 and _fp8_matmuls(p0) == _fp8_matmuls(p1) == _fp8_matmuls(st1) // 2
     codes = kw.w13[0].numel() + kw.w2[0].numel()
     scales = 4 * (kw.w13_scales[0].numel() + kw.w2_scales[0].numel())
-    per_block = 16 * SPLIT["H"] * 2 + SPLIT["H"] * 4 + 16 * 8 + 8  # gathered rows, the output row's RMW, metadata
+    per_call = SPLIT["H"] * 2 + 8 + 4  # the token row, the block count (LNC 2: a register load) / range, expert id
     assert codes <= st1.hbm_read_bytes
     for st in (p0, p1):
-        assert codes // 2 <= st.hbm_read_bytes <= codes // 2 + scales + per_block + 64
+        assert codes // 2 + scales <= st.hbm_read_bytes <= codes // 2 + scales + per_call + 4
+        assert st.hbm_write_bytes == SPLIT["H"] * 4  # its partial of the token's row, once
         assert st.dynamic_iterations == 1  # every program walks the one used block
     bound = kc.error_bound(x, tw, ids, w13, s13, w2, s2, block)
     ref = kc.reference_moe(x, tw, ids, w13, s13, w2, s2, *block, "e4m3")
@@ -246,16 +288,18 @@ def _same_half(pid, share):
     return 0  # the fault: every program computes the first share of I
 
 
-@pytest.mark.parametrize("mode,limit", [("pow2", 0.0), ("pow2", GLM_TEST_SWIGLU_LIMIT), ("output-block", 0.0)])
-def test_the_gate_refuses_both_programs_computing_the_same_half(split_layers, mode, limit, monkeypatch):
-    """The intermediate split (T = 3, LNC 2, with and without the GLM clamp) passes the gate; its fault twin - both
-    programs on I rows [0, I/2), the second half never computed and the first counted twice - must fail it."""
-    from vllm_moe_w8.kernels import moe_w8_blocks
+@pytest.mark.parametrize("mode,limit,ws", [("pow2", 0.0, 0), ("pow2", GLM_TEST_SWIGLU_LIMIT, 0), ("output-block", 0.0, 0),
+                                           ("pow2", 0.0, WS_ON), ("pow2", GLM_TEST_SWIGLU_LIMIT, WS_ON)])
+def test_the_gate_refuses_both_programs_computing_the_same_half(split_layers, mode, limit, ws, monkeypatch):
+    """The intermediate split (T = 3, LNC 2, with and without the GLM clamp, token- and weights-stationary) passes the
+    gate; its fault twin - both programs on I rows [0, I/2), the second half never computed and the first counted
+    twice - must fail it."""
+    from vllm_moe_w8.kernels import selective_decode
 
-    ok, ratio, _ = gate(split_layers[mode], 3, top_k=2, lnc=2, seed=12, swiglu_limit=limit)
+    ok, ratio, _ = gate(split_layers[mode], 3, top_k=2, lnc=2, seed=12, swiglu_limit=limit, stationary_max_tokens=ws)
     assert ok, f"err/bound {ratio:.3f}"
-    monkeypatch.setattr(moe_w8_blocks, "inter_start", _same_half)
-    ok, ratio, _ = gate(split_layers[mode], 3, top_k=2, lnc=2, seed=12, swiglu_limit=limit)
+    monkeypatch.setattr(selective_decode, "inter_start", _same_half)
+    ok, ratio, _ = gate(split_layers[mode], 3, top_k=2, lnc=2, seed=12, swiglu_limit=limit, stationary_max_tokens=ws)
     assert not ok and ratio > 1
 
 

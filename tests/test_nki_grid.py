@@ -102,3 +102,35 @@ def test_dense_kernel_splits_experts_across_programs():
     total = two.sum(axis=0)
     assert np.abs(total - one[0]).max() <= REORDER_EPS * np.abs(one[0]).max()
     assert not np.array_equal(two[0], two[1])  # both programs did work
+
+
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
+def test_dense_kernel_splits_the_intermediate_when_experts_do_not_divide(mode, monkeypatch):
+    """3 experts at LNC=2 (I = 1024: 512 rows a program, moe_w8.split_inter): every program takes every expert over
+    its half of I - half of every expert's codes each - and the partials' sum passes neuron-check's gate; its fault
+    twin, both programs on the first half (the second never computed, the first counted twice), fails it."""
+    from vllm_moe_w8.kernels import moe_w8
+    from vllm_moe_w8.kernels.launch import KERNELS, kernel_args
+    from vllm_moe_w8.neuron_glue import kernel_check as kc
+
+    w13, s13, w2, s2, block = kc.repacked(kc.checkpoint_experts(3, 512, 1024, seed=4), mode)
+    kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+    assert moe_w8.split_inter(3, 2, 1024) and not moe_w8.split_inter(4, 2, 1024) and not moe_w8.split_inter(3, 2, 512)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    tw, ti = kc.routing(5, 3, 2, seed=5)
+    hidden, aff = host.pad_rows(x, 16), host.pad_rows(host.dense_affinities(tw, ti, 3), 16)
+    ref = kc.reference_moe(x, tw, ti, w13, s13, w2, s2, *block, "e4m3")
+    bound = kc.error_bound(x, tw, ti, w13, s13, w2, s2, block)
+
+    def run():
+        out, stats = nki_cpu.launch(KERNELS[mode], (2,), *kernel_args(hidden, aff, kw), lnc=2)
+        return torch.from_numpy(np.asarray(out)).sum(dim=0)[:5], stats
+
+    out, stats = run()
+    codes = kw.w13.numel() + kw.w2.numel()
+    for s in stats:  # half of every expert's codes, the scales and the tokens
+        assert codes // 2 <= s.hbm_read_bytes <= codes // 2 + 4 * (kw.w13_scales.numel() + kw.w2_scales.numel()) + \
+            hidden.numel() * 2 + aff.numel() * 4
+    assert kc.within_bound(out, ref, bound)[0]
+    monkeypatch.setattr(moe_w8, "inter_start", lambda pid, rows: 0)  # FAULT: both programs on rows [0, I/2)
+    assert not kc.within_bound(run()[0], ref, bound)[0]

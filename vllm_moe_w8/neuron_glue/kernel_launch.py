@@ -296,7 +296,7 @@ def run_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
         host.check_kernel_args(hidden, *weights, aff, mode=kw.mode, swiglu_limit=limit)
         partial = launch(kernel, lnc, (hidden,) + weights + (aff,), {"swiglu_limit": limit}, stats, where)
         return partial.float().sum(dim=0)[:tokens]  # one partial sum per program (logical core)
-    rows = host.bucket_for(tokens) if which == "selective" else tokens
+    rows = host_routed.selective_bucket(tokens) if which == "selective" else tokens
     xp, wp, ip = _pad_routing(x, topk_weights, topk_ids, rows)
     kernel, tensors, consts, program_tokens = host_routed.block_call(xp, wp, ip, kw, lnc, limit)
     host_routed.check_block_args(tensors, consts, kw.mode, lnc, rows, topk_ids.shape[1])

@@ -39,7 +39,7 @@ LAYER = dict(hidden=2048, inter=512, experts_neuron=32, experts_cpu=4, top_k=8)
 CASES = (  # (name, mode, tokens, subnormal codes)
     ("selective pow2 (decode)", "pow2", 8, False),
     ("selective output-block (decode)", "output-block", 8, False),
-    ("dense pow2 (decode, all experts)", "pow2", 64, False),
+    ("dense pow2 (decode, all experts)", "pow2", 100, False),
     ("block prefill pow2", "pow2", 256, False),
     ("block prefill output-block", "output-block", 256, False),
     ("selective pow2, subnormal codes", "pow2", 8, True),
