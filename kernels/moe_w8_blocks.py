@@ -23,10 +23,12 @@ the routing: one compile per (T, B, N) bucket; work and weight bytes follow the 
   Order: a block holds at most one row of a token (routing sums a duplicate route into one row), so its write and
   its add never address the same row; a later block's add of a token follows the earlier block's write of it on the
   same ``out`` tensor, the dependency the adds of consecutive blocks already had. An expert's scales - and its codes
-  when they fit SBUF (:func:`resident_weights`, a shape rule) - are loaded once per run of consecutive blocks of
-  that expert: ``block_load_expert`` is the expert there and E elsewhere, and the loading DMAs (``oob_mode.skip``)
-  move nothing for E, so the previous expert's stay in SBUF - no dynamic loop, the bytes of the former 0/1-trip
-  reload loop. Otherwise the codes stream per block.
+  when they fit SBUF (:func:`resident_weights`, a shape rule; then at LNC > 1 with few local experts each
+  program's share of the blocks starts at an expert boundary, ``host_routed.aligned_shares``, so each expert's codes
+  cross HBM once per call) - are loaded once per run of consecutive blocks of that expert: ``block_load_expert`` is
+  the expert there and E elsewhere, and the loading DMAs (``oob_mode.skip``) move nothing for E, so the previous
+  expert's stay in SBUF - no dynamic loop, the bytes of the former 0/1-trip reload loop. Otherwise the codes stream
+  per block.
 
 Arguments (checked on the host before every launch by ``host_routed.check_block_args``), P = 128:
 
@@ -66,7 +68,9 @@ from .selective_decode import selective_decode
 
 P = 128
 SLAB = 512
-RESIDENT_BYTES = 64 * 1024  # SBUF per partition an expert's codes may keep across its blocks (Qwen3.5-35B: 24 KiB)
+# SBUF per partition an expert's codes may keep across its blocks (Qwen3.5-35B: 24 KiB; GLM-5.3-Flash: 192 KiB, the
+# kernel's other tiles then peak at 27 KiB: 219 of the 224 KiB per partition, the interpreter's live-range rule)
+RESIDENT_BYTES = 192 * 1024
 
 
 @nki.jit
@@ -154,8 +158,8 @@ def _blocks(hidden, w13, w13_scales, w2, w2_scales, token_position_to_id, positi
     # the current expert's scales (and, when they fit, its codes) persist across its blocks
     sc13 = nl.ndarray((b, w13_scales.shape[1] * w13_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
     sc2 = nl.ndarray((b, w2_scales.shape[1] * w2_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
-    rows13 = nl.ndarray((1, w13_scales.shape[1] * w13_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
-    rows2 = nl.ndarray((1, w2_scales.shape[1] * w2_scales.shape[2]), dtype=nl.float32, buffer=nl.sbuf)
+    rows13 = sc13[0:1, :]  # the scale rows land in partition 0 of their broadcast (no tile of their own)
+    rows2 = sc2[0:1, :]
     state = (ones, rows13, rows2, sc13, sc2)
     res13 = None
     res2 = None

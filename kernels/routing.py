@@ -31,8 +31,10 @@ Layout (B rows per block; T tokens, E local experts, n programs):
   weight tables: the loading DMAs, ``oob_mode.skip``, move nothing and the previous expert's stay in SBUF).
 * ``block_range [n, 2] int32``: (first block, block count) of each program; programs take contiguous,
   equal shares of the used blocks, so the work of a call is proportional to its routed rows - or, with
-  ``split=True`` (the kernel splits each block's intermediate across the programs), every program walks all
-  the used blocks: (0, used) on every row.
+  ``aligned=True`` (block prefill where an expert's codes stay resident, ``host_routed.aligned_shares``),
+  contiguous shares that start at expert boundaries (nearest the equal split), so each expert's codes cross HBM
+  once per call - or, with ``split=True`` (the kernel splits each block's intermediate across the programs), every
+  program walks all the used blocks: (0, used) on every row.
 * ``program_tokens [n, T] bool`` (host side only, not a kernel input): the tokens program p's blocks store. In
   block prefill at LNC > 1 the kernel writes no zero fill (``moe_w8_blocks.zero_fill``): a slab row no block of that
   program stores is never written (garbage on the device), so :func:`combine` takes each slab only where its
@@ -90,9 +92,10 @@ def check_routing(topk_ids: torch.Tensor, num_experts: int) -> None:
 
 
 def block_schedule(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, block_rows: int,
-                   programs: int = 1, split: bool = False) -> BlockSchedule:
+                   programs: int = 1, split: bool = False, aligned: bool = False) -> BlockSchedule:
     """The block metadata of one call (see the module docstring); device and traceable. ``split``: every program
-    takes every used block (the intermediate-split selective decode, ``host_routed.split_inter``)."""
+    takes every used block (the intermediate-split selective decode, ``host_routed.split_inter``); ``aligned``: each
+    program's share starts at an expert's first block (``host_routed.aligned_shares``)."""
     tokens, top_k = topk_ids.shape
     e, b = num_experts, block_rows
     n = capacity_blocks(tokens, top_k, e, b)
@@ -120,6 +123,9 @@ def block_schedule(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_exper
     share = used if split else (used + programs - 1) // programs
     first = torch.minimum(torch.arange(programs, device=dev) * (0 if split else share), used)
     count = torch.minimum(used - first, share)
+    if aligned and not split and programs > 1:
+        first = _expert_boundaries(starts, used, programs)
+        count = torch.cat([first[1:], used.reshape(1)]) - first
     block_range = torch.stack([first, count], dim=1).to(torch.int32)
     experts = b2e.reshape(-1)
     new = torch.ones(n, dtype=torch.int32, device=dev)
@@ -128,10 +134,25 @@ def block_schedule(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_exper
     new = new.scatter(0, first.clamp(max=max(n - 1, 0)), torch.ones(programs, dtype=torch.int32, device=dev))
     load = torch.where(new > 0, experts, e).to(torch.int32).reshape(n, 1)
     groups = 1 if split else programs
-    group = (block_ids // share.clamp(min=1)).clamp(max=groups - 1) if not split else torch.zeros_like(block_ids)
+    if split:
+        group = torch.zeros_like(block_ids)
+    elif aligned:
+        group = (torch.searchsorted(first.contiguous(), block_ids, right=True) - 1).clamp(0, groups - 1)
+    else:
+        group = (block_ids // share.clamp(min=1)).clamp(max=groups - 1)
     store, stored = _first_stores(slots, group.repeat_interleave(b), padding, tokens, groups)
     program_tokens = stored.expand(programs, tokens) if split else stored
     return BlockSchedule(t2i, weight.reshape(n, b), store.reshape(n, b, 2), b2e, load, block_range, program_tokens)
+
+
+def _expert_boundaries(starts: torch.Tensor, used: torch.Tensor, programs: int) -> torch.Tensor:
+    """[programs] first block of each program's share when the shares start at expert boundaries: the expert start
+    (or ``used``: an empty share) nearest to p x used / programs - so no expert's blocks are split between programs
+    and each expert's resident codes are read by one program only; the shares differ by at most an expert's blocks."""
+    candidates = torch.cat([starts, used.reshape(1)])  # non-decreasing: so are the chosen starts
+    p = torch.arange(programs, device=starts.device)
+    distance = (programs * candidates[None, :] - used * p[:, None]).abs()  # programs x |start - p x used / programs|
+    return candidates[distance.argmin(dim=1)]
 
 
 def _first_stores(slots: torch.Tensor, group: torch.Tensor, padding: torch.Tensor, tokens: int, groups: int):

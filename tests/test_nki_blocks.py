@@ -206,6 +206,35 @@ def test_an_expert_with_several_blocks_loads_its_weights_once(qwen_layers, mode)
 
 @interpreter_only
 @pytest.mark.parametrize("mode", ["pow2", "output-block"])
+def test_glm_width_prefill_at_lnc2_reads_each_experts_codes_once(mode, monkeypatch):
+    """GLM-5.3-Flash width (192 KiB of codes per partition: resident, moe_w8_blocks.RESIDENT_BYTES, within SBUF under
+    the interpreter's live-range rule): 300 tokens on expert 0 (3 blocks), the first 100 also on expert 1 (1 block).
+    At LNC 2 the programs' shares start at an expert boundary (host_routed.aligned_shares: blocks 0-2 / 3), so each
+    expert's codes cross HBM once in the call and the result passes the gate; the fault twin - equal shares of 2 / 2
+    blocks - reads expert 0's codes in both programs."""
+    from vllm_moe_w8.kernels import host_routed
+
+    assert host_routed.aligned_shares(300, 128, 2, GLM["H"], GLM["I"], 2)  # the rule (Qwen3.5 EP=8: 32 experts, no)
+    assert not host_routed.aligned_shares(8192, 128, 2, QWEN["H"], QWEN["I"], 32)
+    w13, s13, w2, s2, block = kc.repacked(kc.checkpoint_experts(2, GLM["H"], GLM["I"], seed=6), mode)
+    kw = host.to_kernel_layout(w13, s13, w2, s2, *block, "e4m3")
+    x = torch.randn(300, GLM["H"], generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    ids = torch.stack([torch.zeros(300, dtype=torch.long), torch.where(torch.arange(300) < 100, 1, -1)], dim=1)
+    tw = torch.rand(300, 2, generator=torch.Generator().manual_seed(7))
+    codes = kw.w13[0].numel() + kw.w2[0].numel()
+    ref = kc.reference_moe(x, tw, ids, w13, s13, w2, s2, *block, "e4m3", swiglu_limit=GLM_TEST_SWIGLU_LIMIT)
+    bound = kc.error_bound(x, tw, ids, w13, s13, w2, s2, block, GLM_TEST_SWIGLU_LIMIT)
+    for aligned, reads in ((True, 2), (False, 3)):  # False: the FAULT twin
+        monkeypatch.setattr(host_routed, "aligned_shares", lambda *a, _on=aligned: _on)
+        stats = []
+        out = launch.simulate_routed(x, tw, ids, kw, lnc=2, stats=stats, swiglu_limit=GLM_TEST_SWIGLU_LIMIT)
+        assert kc.within_bound(out, ref, bound)[0]
+        total = sum(st.hbm_read_bytes for st in stats[0])
+        assert reads * codes <= total <= reads * codes + 4 * 128 * GLM["H"] * 2 + 400 * GLM["H"] * 4 + 2 ** 20, aligned
+
+
+@interpreter_only
+@pytest.mark.parametrize("mode", ["pow2", "output-block"])
 def test_lnc2_prefill_slabs_hold_only_their_programs_rows(qwen_layers, mode):
     """Block prefill at LNC 2 writes no zero fill: each program's slab holds exactly the rows of the tokens its blocks
     store (routing's program_tokens; every other row never written - NaN from the interpreter), the masked sum passes

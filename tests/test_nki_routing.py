@@ -29,11 +29,15 @@ def python_blocks(topk_weights, topk_ids, num_experts, block_rows):
     return blocks
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,block,programs", [(1, 8, 9, 16, 1), (7, 4, 6, 16, 2), (300, 4, 6, 128, 2),
-                                                                   (513, 8, 9, 128, 2)])
-def test_the_schedule_matches_a_python_construction(tokens, top_k, experts, block, programs):
+@pytest.mark.parametrize("tokens,top_k,experts,block,programs,aligned",
+                         [(1, 8, 9, 16, 1, False), (7, 4, 6, 16, 2, False), (300, 4, 6, 128, 2, False),
+                          (513, 8, 9, 128, 2, False), (300, 4, 6, 128, 2, True), (2000, 8, 9, 128, 2, True),
+                          (700, 3, 5, 128, 3, True)])
+def test_the_schedule_matches_a_python_construction(tokens, top_k, experts, block, programs, aligned):
+    """... and with ``aligned`` (host_routed.aligned_shares) every expert's blocks lie in one program's share, the
+    share boundaries being the expert starts nearest the equal split."""
     tw, ti = kernel_check.routing(tokens, experts, top_k, seed=tokens)
-    s = routing.block_schedule(tw, ti, experts, block, programs)
+    s = routing.block_schedule(tw, ti, experts, block, programs, aligned=aligned)
     n = routing.capacity_blocks(tokens, top_k, experts, block)
     assert s.token_position_to_id.shape == (n, block) and s.token_position_to_id.dtype == torch.int32
     assert s.block_to_expert.shape == (n, 1) and s.block_range.shape == (programs, 2)
@@ -42,6 +46,16 @@ def test_the_schedule_matches_a_python_construction(tokens, top_k, experts, bloc
     assert sum(count) == len(want) and first[0] == 0
     assert all(first[p] + count[p] == first[p + 1] for p in range(programs - 1))  # contiguous shares
     assert max(count) - min(count) <= math.ceil(len(want) / programs)
+    if aligned:
+        owner = {}  # expert -> the programs whose shares hold its blocks
+        for p in range(programs):
+            for i in range(first[p], first[p] + count[p]):
+                owner.setdefault(want[i][0], set()).add(p)
+        assert all(len(ps) == 1 for ps in owner.values())
+        starts = sorted({i for i, (e, _r) in enumerate(want) if i == 0 or want[i - 1][0] != e} | {len(want)})
+        for p in range(1, programs):  # the expert start nearest p x used / programs
+            target = p * len(want) / programs
+            assert first[p] in starts and all(abs(first[p] - target) <= abs(c - target) for c in starts)
     for i, (expert, rows) in enumerate(want):
         ids = s.token_position_to_id[i].tolist()
         weights = s.position_weight[i].tolist()
@@ -94,19 +108,22 @@ def test_the_capacity_holds_every_routing():
         assert int(routing.block_schedule(tw, ti, experts, block).block_range[:, 1].sum()) <= n
 
 
-def test_the_schedule_traces_whole_under_torch_compile():
+@pytest.mark.parametrize("aligned", [False, True])
+def test_the_schedule_traces_whole_under_torch_compile(aligned):
     torch._dynamo.reset()
     tw, ti = kernel_check.routing(300, 6, 4, seed=3)
-    eager = routing.block_schedule(tw, ti, 6, 128, 2)
-    compiled = torch.compile(lambda w, i: routing.block_schedule(w, i, 6, 128, 2).tensors(), fullgraph=True, backend="eager")
+    eager = routing.block_schedule(tw, ti, 6, 128, 2, aligned=aligned)
+    compiled = torch.compile(lambda w, i: routing.block_schedule(w, i, 6, 128, 2, aligned=aligned).tensors(),
+                             fullgraph=True, backend="eager")
     for a, b in zip(eager.tensors(), compiled(tw, ti)):
         assert torch.equal(a, b)
 
 
-def test_the_schedule_runs_on_the_routing_device_without_reading_values():
+@pytest.mark.parametrize("aligned", [False, True])
+def test_the_schedule_runs_on_the_routing_device_without_reading_values(aligned):
     """On the meta device no value can be read: building the schedule there proves it never does."""
-    tw, ti = kernel_check.routing(64, 6, 4, seed=1)
-    s = routing.block_schedule(tw.to("meta"), ti.to("meta"), 6, 16, 2)
+    tw, ti = kernel_check.routing(300, 6, 4, seed=1)
+    s = routing.block_schedule(tw.to("meta"), ti.to("meta"), 6, 128, 2, aligned=aligned)
     assert all(t.device.type == "meta" for t in s.tensors())
 
 
