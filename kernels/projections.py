@@ -115,20 +115,28 @@ def gate_up_act(h_t, weight, w13, sc13, expert, dims, mode, resident=None, i0=0)
         w = min(SLAB, inter - c0)
         w_gate = weight_slab(w13, expert, i0 + c0, w, resident)
         w_up = weight_slab(w13, expert, full + i0 + c0, w, resident)
-        gate, counter = scaled_contract(h_t, w_gate, g_h, sc13, (i0 + c0) // P, g13, mode, rows, w, None, counter,
-                                        vector_blocks)
-        up, counter = scaled_contract(h_t, w_up, g_h, sc13, (full + i0 + c0) // P, g13, mode, rows, w, None, counter,
-                                      vector_blocks)
-        if limit > 0:
-            nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
-            nisa.tensor_scalar(dst=up, data=up, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
-        silu = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=silu, op=nl.silu, data=gate)
-        nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=weight, engine=nisa.engine.scalar)
-        # both in SBUF: GpSimd takes the product when VectorE carries block scale-adds (as the dense kernel)
-        product_engine = nisa.engine.gpsimd if (mode == POW2 and vector_blocks > 0) else nisa.engine.vector
-        nisa.tensor_tensor(dst=act[:, c0:c0 + w], data1=up, data2=silu, op=nl.multiply, engine=product_engine)
+        counter = swiglu_slab(h_t, w_gate, w_up, (i0 + c0) // P, (full + i0 + c0) // P, weight, sc13, g_h, g13, mode,
+                              rows, w, limit, vector_blocks, act[:, c0:c0 + w], counter)
     return act, counter
+
+
+def swiglu_slab(h_t, w_gate, w_up, gate_block, up_block, weight, sc13, g_h, g13, mode, rows, w, limit, vector_blocks,
+                dst, counter):
+    """``dst`` [rows, w] bf16 = SiLU(gate) * weight * up of one slab of w intermediate columns: the gate and up code
+    slabs contracted and scaled from scale-row blocks ``gate_block`` / ``up_block`` of ``sc13`` (GLM clamp when
+    ``limit`` > 0); the pow2 block count so far."""
+    gate, counter = scaled_contract(h_t, w_gate, g_h, sc13, gate_block, g13, mode, rows, w, None, counter, vector_blocks)
+    up, counter = scaled_contract(h_t, w_up, g_h, sc13, up_block, g13, mode, rows, w, None, counter, vector_blocks)
+    if limit > 0:
+        nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
+        nisa.tensor_scalar(dst=up, data=up, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
+    silu = nl.ndarray((rows, w), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=silu, op=nl.silu, data=gate)
+    nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=weight, engine=nisa.engine.scalar)
+    # both in SBUF: GpSimd takes the product when VectorE carries block scale-adds (as the dense kernel)
+    product_engine = nisa.engine.gpsimd if (mode == POW2 and vector_blocks > 0) else nisa.engine.vector
+    nisa.tensor_tensor(dst=dst, data1=up, data2=silu, op=nl.multiply, engine=product_engine)
+    return counter
 
 
 def down_slab(act_t, w2, sc2, expert, h0, width, dims, mode, total=None, resident=None, counter=0, i0=0):

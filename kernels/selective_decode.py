@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .block_scale import contract_pow2
 from .nki_api import nisa, nl
-from .projections import OUTPUT_BLOCK, POW2, broadcast_row, expert_rows, scaled_contract, transpose_rows, weight_slab
+from .projections import OUTPUT_BLOCK, broadcast_row, expert_rows, swiglu_slab, transpose_rows, weight_slab
 from .weights_stationary import down_add, gate_up, store_transposed
 
 P = 128
@@ -163,18 +163,8 @@ def ts_block(acc, h_t, w13, w13_scales, w2, w2_scales, position_weight, at, expe
         else:
             w_gate = c13[:, :, c0:c0 + w]
             w_up = c13[:, :, share + c0:share + c0 + w]
-        gate, counter = scaled_contract(h_t, w_gate, g_h, sc13, (i0 + c0) // P, g13, mode, tokens, w, None, counter,
-                                        vector_blocks)
-        up, counter = scaled_contract(h_t, w_up, g_h, sc13, (inter + i0 + c0) // P, g13, mode, tokens, w, None,
-                                      counter, vector_blocks)
-        if limit > 0:
-            nisa.tensor_scalar(dst=gate, data=gate, op0=nl.minimum, operand0=limit)
-            nisa.tensor_scalar(dst=up, data=up, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
-        silu = nl.ndarray((tokens, w), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=silu, op=nl.silu, data=gate)
-        nisa.tensor_scalar(dst=silu, data=silu, op0=nl.multiply, operand0=weight, engine=nisa.engine.scalar)
-        product_engine = nisa.engine.gpsimd if (mode == POW2 and vector_blocks > 0) else nisa.engine.vector
-        nisa.tensor_tensor(dst=act[:, c0:c0 + w], data1=up, data2=silu, op=nl.multiply, engine=product_engine)
+        counter = swiglu_slab(h_t, w_gate, w_up, (i0 + c0) // P, (inter + i0 + c0) // P, weight, sc13, g_h, g13, mode,
+                              tokens, w, limit, vector_blocks, act[:, c0:c0 + w], counter)
     act_t = transpose_rows(act, tokens, g_s, nl.bfloat16)
     k0 = i0 // P
     for h0 in range(0, h, SLAB):
