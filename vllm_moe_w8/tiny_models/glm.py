@@ -21,10 +21,7 @@ def glm4_moe(s: TinySizes, v: dict):
         if L < first_dense:
             p.mlp(f"{pre}.mlp", s.hidden_size, s.intermediate_size)
         else:
-            p.add(f"{pre}.mlp.gate.weight", (s.num_experts, s.hidden_size), "linear")
-            p.add(f"{pre}.mlp.gate.e_score_correction_bias", (s.num_experts,), "fp32", init="small")
-            p.experts(f"{pre}.mlp", s)
-            p.mlp(f"{pre}.mlp.shared_experts", s.hidden_size, s.moe_intermediate_size)
+            glm_moe_block(p, pre, s)
     config = {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
@@ -92,7 +89,8 @@ def mla_attention(p: Plan, pre: str, s: TinySizes, m: dict, indexer: bool) -> No
         p.add(f"{ip}.weights_proj.weight", (m["index_n_heads"], h), "linear")
 
 
-def _glm_moe_block(p: Plan, pre: str, s: TinySizes) -> None:
+def glm_moe_block(p: Plan, pre: str, s: TinySizes) -> None:
+    """A GLM MoE layer's MLP: the router (weight, e_score_correction_bias), the routed experts, the shared expert."""
     p.add(f"{pre}.mlp.gate.weight", (s.num_experts, s.hidden_size), "linear")
     p.add(f"{pre}.mlp.gate.e_score_correction_bias", (s.num_experts,), "fp32", init="small")
     p.experts(f"{pre}.mlp", s)
@@ -110,7 +108,7 @@ def glm_moe_dsa(s: TinySizes, v: dict):
         if L < first_dense:
             p.mlp(f"{pre}.mlp", s.hidden_size, s.intermediate_size)
         else:
-            _glm_moe_block(p, pre, s)
+            glm_moe_block(p, pre, s)
     config = {
         "architectures": ["GlmMoeDsaForCausalLM"],
         "model_type": "glm_moe_dsa",

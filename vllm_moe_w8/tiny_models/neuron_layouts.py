@@ -36,7 +36,7 @@ tree); the writer of the MoE layers' tensors is the tests' (``tests/_glm5next.py
 
 from __future__ import annotations
 
-from vllm_moe_w8.tiny_models.glm import mla_attention
+from vllm_moe_w8.tiny_models.glm import glm_moe_block, mla_attention
 from vllm_moe_w8.tiny_models.layout import Plan, TinySizes, embed_and_head, layer_norms
 
 GLM5_FIRST_DENSE = 3  # GlmMoeDsaCheckpointContract.first_k_dense_replace
@@ -66,10 +66,7 @@ def glm_moe_dsa(s: TinySizes, v: dict):
         if layer < GLM5_FIRST_DENSE:
             p.mlp(f"{pre}.mlp", s.hidden_size, s.intermediate_size)
         else:
-            p.add(f"{pre}.mlp.gate.weight", (s.num_experts, s.hidden_size), "linear")
-            p.add(f"{pre}.mlp.gate.e_score_correction_bias", (s.num_experts,), "fp32", init="small")
-            p.experts(f"{pre}.mlp", s)
-            p.mlp(f"{pre}.mlp.shared_experts", s.hidden_size, s.moe_intermediate_size)
+            glm_moe_block(p, pre, s)
     mla = {k: GLM5_MLA[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                                     "index_topk")}
     config = {
