@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 import _glue_ranks as gr
+from test_neuron_glue_tp_probe import TensorSlice  # a safetensors slice over real values, for the loaders
 
 SHARED_CASES = (("decode", 6, 11), ("prefill", 160, 12))  # selective decode; the block prefill kernel
 
@@ -72,19 +73,6 @@ def _param_keys(kind: str, prefix: str) -> dict:
     return keys
 
 
-class _Values:
-    """A safetensors slice over real values, for vllm-neuron's weight loaders."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def get_shape(self):
-        return list(self.t.shape)
-
-    def __getitem__(self, index):
-        return self.t[index]
-
-
 def twin(mixer, kind: str, text_config, tensors: dict, prefix: str, dtype, rank: int):
     """A fresh vllm-neuron mixer of the same layer (its own class, unadopted) in ``dtype``, every parameter filled by its
     own weight loader from the checkpoint's exact values (FP8 dequantised, then rounded once to ``dtype``; ``dt_bias`` /
@@ -104,7 +92,7 @@ def twin(mixer, kind: str, text_config, tensors: dict, prefix: str, dtype, rank:
         param = module.get_parameter(name)
         keys = keys if isinstance(keys, list) else [keys]
         values = [(st.dequant(tensors, k) if k + "_scale_inv" in tensors else tensors[k].float()).double() for k in keys]
-        got = get_loader(param).load([_Values(v) for v in values], rank)
+        got = get_loader(param).load([TensorSlice(v) for v in values], rank)
         with torch.no_grad():
             param.data = got.to(torch.float32 if name in ("dt_bias", "A_log") else dtype)  # as its load_weights keeps them
     return module
